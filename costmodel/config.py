@@ -1,0 +1,288 @@
+"""Model configuration: the Llama-family shape every part of Elastor plans, profiles and trains.
+
+The layer list is `embed`, `blocks.0` ... `blocks.{n-1}`, `head` (final norm + output projection);
+stages own half-open ranges of it. Parameter counts follow the layout of Hugging Face's
+`LlamaForCausalLM` exactly, so a preset's count matches its published figure
+(Llama-2-7B: 6,738,415,616) and a model's `config.json` can be read as it is.
+"""
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from costmodel.errors import ElastorError
+from costmodel.jsonio import read_json, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_blocks: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 means hidden_size // num_heads
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.num_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_blocks", "num_heads")
+        for field in (*positive, "num_kv_heads", "head_dim", "max_seq_len"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+                raise ElastorError(
+                    f"Model {self.name!r} needs a positive integer {field}, not {getattr(self, field)!r}."
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise ElastorError(
+                f"Model {self.name!r} has {self.num_heads} attention heads, which its "
+                f"{self.num_kv_heads} key/value heads do not divide."
+            )
+        if self.head_dim % 2:
+            raise ElastorError(
+                f"Model {self.name!r} has an odd head dimension {self.head_dim}; "
+                "rotary embeddings need an even one."
+            )
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ElastorError(f"Model {self.name!r} needs positive norm_eps and rope_theta.")
+
+    # ---- the layer list -------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Entries of the layer list: embed + blocks + head."""
+        return self.num_blocks + 2
+
+    def layer_names(self) -> list[str]:
+        return ["embed", *(f"blocks.{i}" for i in range(self.num_blocks)), "head"]
+
+    def layer_kind(self, index: int) -> str:
+        """`embed`, `block` or `head` for entry `index` of the layer list."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} is outside 0..{self.num_layers - 1}")
+        if index == 0:
+            return "embed"
+        return "head" if index == self.num_layers - 1 else "block"
+
+    # ---- parameter counts (Hugging Face LlamaForCausalLM layout) ---------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def block_param_count(self) -> int:
+        h = self.hidden_size
+        attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h  # wq, wk, wv, wo
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        norms = 2 * h
+        return attention + mlp + norms
+
+    def layer_param_count(self, index: int) -> int:
+        """Parameters owned by one entry of the layer list; a tied output matrix counts once, in embed."""
+        kind = self.layer_kind(index)
+        embedding = self.vocab_size * self.hidden_size
+        if kind == "embed":
+            return embedding
+        if kind == "head":
+            return self.hidden_size + (0 if self.tie_embeddings else embedding)
+        return self.block_param_count()
+
+    @property
+    def param_count(self) -> int:
+        return sum(self.layer_param_count(i) for i in range(self.num_layers))
+
+    # ---- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "num_layers": self.num_layers}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ElastorError("The model block must be a JSON object.")
+        known = {f.name for f in fields(cls)}
+        require(data, "model block", *_REQUIRED)
+        config = cls(**{k: v for k, v in data.items() if k in known})
+        if "num_layers" in data and data["num_layers"] != config.num_layers:
+            raise ElastorError(
+                f"Model {config.name!r} says num_layers={data['num_layers']} but has "
+                f"{config.num_blocks} blocks, so its layer list has {config.num_layers} entries."
+            )
+        return config
+
+    @classmethod
+    def from_hf_config(cls, data: dict[str, Any], name: str) -> "ModelConfig":
+        """Read a Hugging Face Llama-family `config.json`."""
+        required = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        )
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ElastorError(f"The Hugging Face config {name!r} lacks the field(s) {', '.join(missing)}.")
+        for flag in ("attention_bias", "mlp_bias"):
+            if data.get(flag):
+                raise ElastorError(
+                    f"The Hugging Face config {name!r} sets {flag}; Elastor's Llama model has no biases."
+                )
+        if data.get("rope_scaling"):
+            raise ElastorError(
+                f"The Hugging Face config {name!r} uses rope_scaling, which Elastor does not implement yet."
+            )
+        heads = data["num_attention_heads"]
+        return cls(
+            name=name,
+            vocab_size=data["vocab_size"],
+            hidden_size=data["hidden_size"],
+            intermediate_size=data["intermediate_size"],
+            num_blocks=data["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=data.get("num_key_value_heads") or heads,
+            head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+            max_seq_len=data.get("max_position_embeddings", 2048),
+            norm_eps=data.get("rms_norm_eps", 1e-6),
+            rope_theta=float(data.get("rope_theta", 10000.0)),
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` of this model (used by checkpoint export)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_blocks,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+
+
+_REQUIRED = (
+    "name",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_blocks",
+    "num_heads",
+    "num_kv_heads",
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small enough to train in seconds on CPU; 6 heads, 6 kv heads, MLP width 240 and vocabulary 960
+    # are divisible by every tensor-parallel degree 1..6, so tests can exercise TP=3, 5 and 6.
+    "gpt-tiny": ModelConfig(
+        name="gpt-tiny",
+        vocab_size=960,
+        hidden_size=96,
+        intermediate_size=240,
+        num_blocks=4,
+        num_heads=6,
+        num_kv_heads=6,
+        max_seq_len=256,
+    ),
+    # GPT-2 124M's shape (Radford et al. 2019: 12 layers, 768 wide, 12 heads, tied embeddings) in
+    # Llama form; SwiGLU width 2048 = 8/3 * 768 keeps the MLP's parameter count equal to GPT-2's.
+    "gpt-small": ModelConfig(
+        name="gpt-small",
+        vocab_size=50257,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_blocks=12,
+        num_heads=12,
+        num_kv_heads=12,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
+    # Touvron et al. 2023, "Llama 2", table 1 and the released config.json files.
+    "llama2-7b": ModelConfig(
+        name="llama2-7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_blocks=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_seq_len=4096,
+    ),
+    "llama2-13b": ModelConfig(
+        name="llama2-13b",
+        vocab_size=32000,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_blocks=40,
+        num_heads=40,
+        num_kv_heads=40,
+        max_seq_len=4096,
+    ),
+    "llama2-70b": ModelConfig(
+        name="llama2-70b",
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_blocks=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_seq_len=4096,
+    ),
+    # Dubey et al. 2024, "The Llama 3 Herd of Models", table 3 and the released config.json files.
+    "llama3-8b": ModelConfig(
+        name="llama3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_blocks=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": ModelConfig(
+        name="llama3-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_blocks=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def load_model_config(spec: str) -> ModelConfig:
+    """A preset name, or the path of a JSON file: Elastor's model block or a Hugging Face config.json."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not path.suffix == ".json":
+        raise ElastorError(
+            f"Unknown model {spec!r}; use a preset ({', '.join(PRESETS)}) or a config.json path."
+        )
+    data = read_json(path, "model config")
+    if "num_hidden_layers" in data:
+        name = data.get("_name_or_path") or path.parent.name or path.stem
+        return ModelConfig.from_hf_config(data, name=str(name).split("/")[-1])
+    return ModelConfig.from_json(data)

@@ -1,0 +1,263 @@
+"""A training plan: pipelines on disjoint devices, their stages, and the split of the global batch.
+
+Pipelines are data-parallel replicas that may differ in stage boundaries, tensor-parallel degree per
+stage and number of micro-batches. `Plan.validate(cluster)` checks every invariant of DESIGN.md and
+works on hand-written plans; the runtime trusts nothing else.
+
+Rank order (how torchrun's ranks map to devices): nodes in natural name order (n2 before n10), and
+on a node the plan's devices by ascending GPU id, so local rank i is the i-th device of that node.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel.cluster import ClusterSpec, parse_device
+from costmodel.config import ModelConfig
+from costmodel.errors import ElastorError
+from costmodel.jsonio import SCHEMA_VERSION, check_schema, require
+from costmodel.table import format_table
+
+
+class PlanInvalid(ElastorError):
+    """A plan that breaks invariants; the message has one sentence per problem, one per line."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    layers: tuple[int, int]  # half-open range [start, end) of the layer list
+    devices: tuple[str, ...]  # its tensor-parallel group, in TP-rank order
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "devices": list(self.devices)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Stage":
+        require(data, "stage", "layers", "devices")
+        layers, devices = data["layers"], data["devices"]
+        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+            raise ElastorError(f"A stage's layers must be [start, end) integers, not {layers!r}.")
+        if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+            raise ElastorError(f'A stage\'s devices must be a list of names like "n0:1", not {devices!r}.')
+        return cls(layers=(layers[0], layers[1]), devices=tuple(devices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    num_microbatches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def devices(self) -> list[str]:
+        return [d for s in self.stages for d in s.devices]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_microbatches": self.num_microbatches, "stages": [s.to_json() for s in self.stages]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Pipeline":
+        require(data, "pipeline", "num_microbatches", "stages")
+        if not isinstance(data["num_microbatches"], int) or not isinstance(data["stages"], list):
+            raise ElastorError("A pipeline needs an integer num_microbatches and a list of stages.")
+        return cls(
+            num_microbatches=data["num_microbatches"],
+            stages=tuple(Stage.from_json(s) for s in data["stages"]),
+        )
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelConfig
+    global_batch_size: int
+    micro_batch_size: int
+    seq_len: int
+    pipelines: tuple[Pipeline, ...]
+    predicted: dict[str, Any] | None = None  # the cost model's estimate, if a solver made the plan
+    solver: dict[str, Any] | None = None  # method, status, wall_s
+
+    # ---- derived --------------------------------------------------------------------------------
+    @property
+    def devices(self) -> list[str]:
+        """The plan's devices in rank order (see the module docstring)."""
+        return sorted(
+            (d for p in self.pipelines for d in p.devices),
+            key=lambda d: (_natural_key(parse_device(d)[0]), parse_device(d)[1]),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(p.devices) for p in self.pipelines)
+
+    def nodes(self) -> list[str]:
+        """Node names in rank order."""
+        return list(dict.fromkeys(parse_device(d)[0] for d in self.devices))
+
+    def placement(self, device: str) -> tuple[int, int]:
+        """(pipeline index, stage index) of `device`."""
+        for pi, pipe in enumerate(self.pipelines):
+            for si, stage in enumerate(pipe.stages):
+                if device in stage.devices:
+                    return pi, si
+        raise KeyError(device)
+
+    # ---- validation -----------------------------------------------------------------------------
+    def violations(self, cluster: ClusterSpec | None = None) -> list[str]:
+        """Every broken invariant, one sentence each; the cluster checks need `cluster`."""
+        problems: list[str] = []
+        model, L = self.model, self.model.num_layers
+        if self.micro_batch_size < 1:
+            problems.append(f"micro_batch_size must be at least 1, not {self.micro_batch_size}.")
+        if not 1 <= self.seq_len <= model.max_seq_len:
+            problems.append(f"seq_len {self.seq_len} is outside 1..{model.max_seq_len}, the model's maximum.")
+        if not self.pipelines:
+            problems.append("The plan has no pipeline.")
+        total_mb = sum(p.num_microbatches for p in self.pipelines)
+        if total_mb * self.micro_batch_size != self.global_batch_size:
+            problems.append(
+                f"The pipelines' micro-batches ({total_mb}) times micro_batch_size "
+                f"({self.micro_batch_size}) make {total_mb * self.micro_batch_size} samples, "
+                f"not global_batch_size {self.global_batch_size}."
+            )
+        healthy = set(cluster.devices) if cluster else None
+        owner: dict[str, str] = {}
+        for pi, pipe in enumerate(self.pipelines):
+            where = f"Pipeline {pi}"
+            if pipe.num_microbatches < 1:
+                problems.append(f"{where} has {pipe.num_microbatches} micro-batches; it needs at least 1.")
+            if not pipe.stages:
+                problems.append(f"{where} has no stage.")
+                continue
+            expected_start = 0
+            for si, stage in enumerate(pipe.stages):
+                where = f"Pipeline {pi} stage {si}"
+                start, end = stage.layers
+                if start != expected_start:
+                    gap = "overlaps the previous stage" if start < expected_start else "leaves a gap"
+                    problems.append(
+                        f"{where} starts at layer {start} but the previous stage ends at "
+                        f"{expected_start}, so it {gap}."
+                    )
+                if end <= start:
+                    problems.append(f"{where} has the empty or reversed layer range [{start}, {end}).")
+                expected_start = max(end, expected_start)
+                problems += self._stage_device_problems(where, stage, healthy, owner)
+            if expected_start != L:
+                problems.append(
+                    f"Pipeline {pi} ends at layer {expected_start} but model {model.name!r} has {L} layers."
+                )
+        return problems
+
+    def _stage_device_problems(
+        self, where: str, stage: Stage, healthy: set[str] | None, owner: dict[str, str]
+    ) -> list[str]:
+        problems: list[str] = []
+        tp, model = stage.tp_degree, self.model
+        if tp == 0:
+            return [f"{where} has no device."]
+        nodes = set()
+        for device in stage.devices:
+            try:
+                nodes.add(parse_device(device)[0])
+            except ElastorError as e:
+                problems.append(f"{where}: {e}")
+                continue
+            if healthy is not None and device not in healthy:
+                problems.append(f"{where} uses {device}, which is not a healthy device of the cluster.")
+            if device in owner:
+                problems.append(f"{where} uses {device}, which {owner[device]} already uses.")
+            owner[device] = where.lower()
+        if len(nodes) > 1:
+            problems.append(
+                f"{where} spans nodes {', '.join(sorted(nodes))}; "
+                "a tensor-parallel group must sit on one node."
+            )
+        if model.num_heads % tp or model.num_kv_heads % tp:
+            problems.append(
+                f"{where} has TP degree {tp}, which does not divide the model's {model.num_heads} "
+                f"attention heads and {model.num_kv_heads} key/value heads."
+            )
+        return problems
+
+    def validate(self, cluster: ClusterSpec | None = None) -> "Plan":
+        problems = self.violations(cluster)
+        if problems:
+            raise PlanInvalid(problems)
+        return self
+
+    # ---- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model.to_json(),
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.seq_len,
+            "pipelines": [p.to_json() for p in self.pipelines],
+        }
+        if self.predicted is not None:
+            data["predicted"] = self.predicted
+        if self.solver is not None:
+            data["solver"] = self.solver
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        check_schema(data, "plan")
+        require(data, "plan", "model", "global_batch_size", "micro_batch_size", "seq_len", "pipelines")
+        for key in ("global_batch_size", "micro_batch_size", "seq_len"):
+            if not isinstance(data[key], int):
+                raise ElastorError(f"The plan's {key} must be an integer, not {data[key]!r}.")
+        if not isinstance(data["pipelines"], list):
+            raise ElastorError("The plan's pipelines must be a list.")
+        return cls(
+            model=ModelConfig.from_json(data["model"]),
+            global_batch_size=data["global_batch_size"],
+            micro_batch_size=data["micro_batch_size"],
+            seq_len=data["seq_len"],
+            pipelines=tuple(Pipeline.from_json(p) for p in data["pipelines"]),
+            predicted=data.get("predicted"),
+            solver=data.get("solver"),
+        )
+
+    # ---- display --------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A per-stage table: pipeline, stage, layer range and names, TP degree, devices."""
+        names = self.model.layer_names()
+        rows = [("pipe", "stage", "layers", "first..last", "tp", "micro-batches", "devices")]
+        for pi, pipe in enumerate(self.pipelines):
+            for si, st in enumerate(pipe.stages):
+                start, end = st.layers
+                span = f"{names[start]}..{names[end - 1]}" if 0 <= start < end <= len(names) else "?"
+                rows.append(
+                    (
+                        str(pi),
+                        str(si),
+                        f"[{start},{end})",
+                        span,
+                        str(st.tp_degree),
+                        str(pipe.num_microbatches) if si == 0 else "",
+                        ",".join(st.devices),
+                    )
+                )
+        head = (
+            f"{self.model.name}: {len(self.pipelines)} pipeline(s) on {self.world_size} device(s), "
+            f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
+            f"{self.global_batch_size // max(self.micro_batch_size, 1)}, seq_len {self.seq_len}"
+        )
+        return f"{head}\n{format_table(rows)}"

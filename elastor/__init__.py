@@ -1,0 +1,1 @@
+"""The `elastor` command line; it only parses arguments and dispatches to the other packages."""

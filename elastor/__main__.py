@@ -1,0 +1,5 @@
+import sys
+
+from elastor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Profiler: per-layer compute, memory and communication costs, measured or analytic."""

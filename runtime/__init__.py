@@ -1,0 +1,1 @@
+"""Runtime: the reference model, and training from any valid plan with torch.distributed."""

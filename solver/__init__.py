@@ -1,0 +1,1 @@
+"""Solver: optimal heterogeneous plans for any set of healthy GPUs (torch-free)."""
