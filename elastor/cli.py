@@ -1,4 +1,4 @@
-"""`elastor <subcommand>`: one function per subcommand, each a thin call into its package.
+"""`elastor <subcommand>`: parse arguments, dispatch to the subcommand's module.
 
 User errors (`ElastorError`) print one sentence per problem and exit 2; anything else is a bug and
 keeps its traceback.
@@ -6,60 +6,14 @@ keeps its traceback.
 
 import argparse
 import sys
-from collections.abc import Callable
 
-from costmodel import ClusterSpec, ElastorError, Plan
-from costmodel.jsonio import read_json
+from costmodel import ElastorError
+from elastor.commands import validate
 
-Command = Callable[[argparse.Namespace], int]
-
-
-def _subcommand(
-    subparsers: argparse._SubParsersAction, name: str, summary: str, example: str
-) -> argparse.ArgumentParser:
-    """A subparser whose --help ends with a real example."""
-    return subparsers.add_parser(
-        name,
-        help=summary,
-        description=summary,
-        epilog=f"example:\n  {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+# Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
+COMMANDS = (validate,)
 
 
-# ---- validate -----------------------------------------------------------------------------------
-def _add_validate(subparsers: argparse._SubParsersAction) -> None:
-    p = _subcommand(
-        subparsers,
-        "validate",
-        "Check a (possibly hand-written) plan against a cluster: print its stages or every violation.",
-        "elastor validate examples/plan-hetero.json --cluster 4,3",
-    )
-    p.add_argument("plan", help="plan JSON file")
-    p.add_argument("--cluster", required=True, help='healthy GPUs per node ("8,8,7") or a cluster JSON file')
-    p.add_argument(
-        "--device-kind",
-        default="H100-80GB",
-        help="device kind for a short --cluster string (default: %(default)s)",
-    )
-    p.set_defaults(run=_validate)
-
-
-def _validate(args: argparse.Namespace) -> int:
-    plan = Plan.from_json(read_json(args.plan, "plan"))
-    cluster = ClusterSpec.parse(args.cluster, args.device_kind)
-    problems = plan.violations(cluster)
-    if problems:
-        for problem in problems:
-            print(f"elastor: invalid plan: {problem}", file=sys.stderr)
-        return 2
-    print(plan.summary())
-    idle = sorted(set(cluster.devices) - set(plan.devices))
-    print(f"valid on cluster {cluster.short_form()}" + (f"; idle: {', '.join(idle)}" if idle else ""))
-    return 0
-
-
-# ---- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastor",
@@ -68,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND", required=True)
-    for add in (_add_validate,):
-        add(subparsers)
+    for command in COMMANDS:
+        command.register(subparsers)
     return parser
 
 
