@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from costmodel.config import ModelConfig
+from costmodel.layout import shard_size
 
 INIT_STD = 0.02  # GPT-2 / Llama reference initialisation of weight matrices
 
@@ -167,11 +168,6 @@ class ModelSlice(nn.Module):
 def build_model(config: ModelConfig, *, seed: int = 0) -> ModelSlice:
     """The whole model: the single-process reference every plan must reproduce."""
     return ModelSlice(config, 0, config.num_layers, seed=seed)
-
-
-def shard_size(full: int, parts: int, index: int) -> int:
-    """Size of shard `index` when `full` is split into `parts` contiguous pieces, larger ones first."""
-    return full // parts + (1 if index < full % parts else 0)
 
 
 def _init_std(name: str, config: ModelConfig) -> float | None:

@@ -1,0 +1,170 @@
+"""Where every piece of every parameter lives under a plan, and which pieces must be reduced together.
+
+Tensor parallelism inside a stage follows Megatron-LM (Shoeybi et al. 2019, section 3): wq, wk, wv,
+gate and up are column-parallel (split along dim 0, attention in whole heads), wo and down are
+row-parallel (split along dim 1), the embedding and the output projection are vocabulary-parallel
+(split along dim 0), norms are replicated. Splits may be uneven (larger shards first), so any TP
+degree that divides the heads works, whatever the MLP width or vocabulary.
+
+A parameter's replicas live in different pipelines, possibly split by different TP degrees. For the
+data-parallel gradient sum, `sync_buckets` cuts each parameter at every shard boundary that any
+holder induces; each resulting segment is held whole by a set of devices, and exactly those devices
+reduce it. Segments with the same holder set form one bucket: one collective per bucket, and no
+device moves bytes of a parameter it does not hold. Torch-free, shared by the runtime and the cost
+model so that what is predicted is what is run.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import pairwise
+
+from costmodel.config import ModelConfig
+from costmodel.plan import Plan
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of a tensor: `offsets` and `sizes` per dimension."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def contains(self, other: "Box") -> bool:
+        return all(
+            o <= p and p + q <= o + s
+            for o, s, p, q in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        )
+
+    def relative_to(self, outer: "Box") -> "Box":
+        """This box in the coordinates of `outer` (which must contain it): for slicing a local shard."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.sizes)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # global name, e.g. "blocks.3.attn.wq.weight"
+    shape: tuple[int, ...]  # global shape
+    shard_dim: int | None  # the dimension TP splits; None for replicated parameters
+    unit: int = 1  # shards are whole multiples of `unit` along shard_dim (a head for attention)
+
+    def full_box(self) -> Box:
+        return Box((0,) * len(self.shape), self.shape)
+
+
+def shard_size(full: int, parts: int, index: int) -> int:
+    """Size of piece `index` when `full` is split into `parts` contiguous pieces, larger ones first."""
+    return full // parts + (1 if index < full % parts else 0)
+
+
+def shard_box(spec: ParamSpec, tp_degree: int, tp_rank: int) -> Box:
+    """The box of `spec` that TP rank `tp_rank` of `tp_degree` holds."""
+    if spec.shard_dim is None or tp_degree == 1:
+        return spec.full_box()
+    units = spec.shape[spec.shard_dim] // spec.unit
+    start = sum(shard_size(units, tp_degree, r) for r in range(tp_rank)) * spec.unit
+    size = shard_size(units, tp_degree, tp_rank) * spec.unit
+    offsets = [0] * len(spec.shape)
+    sizes = list(spec.shape)
+    offsets[spec.shard_dim], sizes[spec.shard_dim] = start, size
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def layer_params(config: ModelConfig, index: int) -> list[ParamSpec]:
+    """Parameters of entry `index` of the layer list, in module order."""
+    h, v = config.hidden_size, config.vocab_size
+    kind = config.layer_kind(index)
+    if kind == "embed":
+        return [ParamSpec("embed.weight", (v, h), 0)]
+    if kind == "head":
+        specs = [ParamSpec("head.norm.weight", (h,), None)]
+        if not config.tie_embeddings:
+            specs.append(ParamSpec("head.output.weight", (v, h), 0))
+        return specs
+    p, d, w = f"blocks.{index - 1}.", config.head_dim, config.intermediate_size
+    return [
+        ParamSpec(p + "attn_norm.weight", (h,), None),
+        ParamSpec(p + "attn.wq.weight", (config.q_size, h), 0, unit=d),
+        ParamSpec(p + "attn.wk.weight", (config.kv_size, h), 0, unit=d),
+        ParamSpec(p + "attn.wv.weight", (config.kv_size, h), 0, unit=d),
+        ParamSpec(p + "attn.wo.weight", (h, config.q_size), 1, unit=d),
+        ParamSpec(p + "mlp_norm.weight", (h,), None),
+        ParamSpec(p + "mlp.gate.weight", (w, h), 0),
+        ParamSpec(p + "mlp.up.weight", (w, h), 0),
+        ParamSpec(p + "mlp.down.weight", (h, w), 1),
+    ]
+
+
+def stage_params(config: ModelConfig, start: int, end: int) -> list[ParamSpec]:
+    """Parameters a stage holding layers [start, end) keeps, in module order.
+
+    With tied embeddings, a stage that holds the head but not the embedding keeps its own copy of
+    `embed.weight`; the gradient sync sums both copies' gradients like any replicated parameter.
+    """
+    specs = [s for i in range(start, end) for s in layer_params(config, i)]
+    if config.tie_embeddings and end == config.num_layers and start > 0:
+        specs.insert(0, layer_params(config, 0)[0])
+    return specs
+
+
+def device_pieces(plan: Plan, device: str) -> list[tuple[ParamSpec, Box]]:
+    """Every (parameter, box) that `device` holds under `plan`."""
+    pi, si = plan.placement(device)
+    stage = plan.pipelines[pi].stages[si]
+    tp_rank = stage.devices.index(device)
+    return [
+        (spec, shard_box(spec, stage.tp_degree, tp_rank)) for spec in stage_params(plan.model, *stage.layers)
+    ]
+
+
+def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
+    """Gradient-sync buckets: holder devices (in rank order) -> the (parameter, segment) they reduce.
+
+    Only segments with two or more holders appear. Iteration order is deterministic (parameters in
+    layer order, devices in rank order), so every rank creates the same groups in the same order.
+    """
+    rank = {d: i for i, d in enumerate(plan.devices)}
+    holders: dict[str, list[tuple[str, Box]]] = defaultdict(list)
+    specs: dict[str, ParamSpec] = {}
+    for device in plan.devices:
+        for spec, box in device_pieces(plan, device):
+            holders[spec.name].append((device, box))
+            specs[spec.name] = spec
+    buckets: dict[tuple[str, ...], list[tuple[str, Box]]] = defaultdict(list)
+    for name in _layer_order(plan.model, specs):
+        spec = specs[name]
+        for segment in _segments(spec, [box for _, box in holders[name]]):
+            owners = tuple(sorted((d for d, box in holders[name] if box.contains(segment)), key=rank.get))
+            if len(owners) > 1:
+                buckets[owners].append((name, segment))
+    return dict(sorted(buckets.items(), key=lambda kv: [rank[d] for d in kv[0]]))
+
+
+def _layer_order(config: ModelConfig, specs: dict[str, ParamSpec]) -> list[str]:
+    ordered = [s.name for i in range(config.num_layers) for s in layer_params(config, i)]
+    return [n for n in ordered if n in specs]
+
+
+def _segments(spec: ParamSpec, boxes: list[Box]) -> list[Box]:
+    """Cut the full tensor at every boundary any holder's box has along the shard dimension."""
+    if spec.shard_dim is None:
+        return [spec.full_box()]
+    dim = spec.shard_dim
+    cuts = sorted(
+        {0, spec.shape[dim]}
+        | {b.offsets[dim] for b in boxes}
+        | {b.offsets[dim] + b.sizes[dim] for b in boxes}
+    )
+    segments = []
+    for lo, hi in pairwise(cuts):
+        offsets = [0] * len(spec.shape)
+        sizes = list(spec.shape)
+        offsets[dim], sizes[dim] = lo, hi - lo
+        segments.append(Box(tuple(offsets), tuple(sizes)))
+    return segments
