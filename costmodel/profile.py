@@ -6,7 +6,7 @@ forward and backward time of the per-rank shard and the activation bytes that sh
 backward per micro-batch. Identical blocks are measured once by the profiler and share the numbers.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.config import ModelConfig
@@ -28,6 +28,8 @@ class LayerCost:
     activation_bytes: int  # kept for backward, per micro-batch, per rank
     fwd_spread_s: float = 0.0  # interquartile range of the repeated measurements
     bwd_spread_s: float = 0.0
+    fwd_flops: float = 0.0  # forward FLOPs of the shard (costmodel.analytic); backward is twice that
+    transient_bytes: int = 0  # allocator peak above the kept activations in fwd + bwd (CUDA only)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.tp_degree < 1:
@@ -49,6 +51,8 @@ class LayerCost:
             activation_bytes=int(data["activation_bytes"]),
             fwd_spread_s=float(data.get("fwd_spread_s", 0.0)),
             bwd_spread_s=float(data.get("bwd_spread_s", 0.0)),
+            fwd_flops=float(data.get("fwd_flops", 0.0)),
+            transient_bytes=int(data.get("transient_bytes", 0)),
         )
 
 
@@ -86,6 +90,8 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     dtype: str = "float32"
     source: str = "analytic"  # cpu, cuda (measured) or analytic
+    # How the numbers were made: repeats, timer, memory method, or the analytic constants used.
+    method: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -132,6 +138,7 @@ class ModelProfile:
             "dtype": self.dtype,
             "seq_len": self.seq_len,
             "source": self.source,
+            "method": self.method,
             "layers": [layer.to_json() for layer in self.layers],
         }
 
@@ -145,5 +152,6 @@ class ModelProfile:
             seq_len=int(data["seq_len"]),
             dtype=data.get("dtype", "float32"),
             source=data.get("source", "analytic"),
+            method=dict(data.get("method", {})),
             layers=tuple(LayerProfile.from_json(layer) for layer in data["layers"]),
         )
