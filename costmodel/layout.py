@@ -139,7 +139,7 @@ def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
     buckets: dict[tuple[str, ...], list[tuple[str, Box]]] = defaultdict(list)
     for name in _layer_order(plan.model, specs):
         spec = specs[name]
-        for segment in _segments(spec, [box for _, box in holders[name]]):
+        for segment in segments(spec, [box for _, box in holders[name]]):
             owners = tuple(sorted((d for d, box in holders[name] if box.contains(segment)), key=rank.get))
             if len(owners) > 1:
                 buckets[owners].append((name, segment))
@@ -151,7 +151,7 @@ def _layer_order(config: ModelConfig, specs: dict[str, ParamSpec]) -> list[str]:
     return [n for n in ordered if n in specs]
 
 
-def _segments(spec: ParamSpec, boxes: list[Box]) -> list[Box]:
+def segments(spec: ParamSpec, boxes: list[Box]) -> list[Box]:
     """Cut the full tensor at every boundary any holder's box has along the shard dimension."""
     if spec.shard_dim is None:
         return [spec.full_box()]
