@@ -1,0 +1,210 @@
+"""The cost model against closed forms, hand-computed values and a schedule simulation."""
+
+import random
+
+import pytest
+from reference_1f1b import simulate_1f1b
+from synthetic import synthetic_profile
+
+from costmodel import PRESETS, ClusterSpec, Pipeline, Plan, Stage
+from costmodel.comm import Link, all_gather_s, all_reduce_s
+from costmodel.estimate import (
+    FP32_BYTES,
+    MEMORY_HEADROOM,
+    CostModel,
+    in_flight,
+    pipeline_time_s,
+)
+from costmodel.layout import device_pieces, sync_buckets
+
+TINY = PRESETS["gpt-tiny"]
+
+
+def _plan(pipelines, mbs=2, config=TINY):
+    pipes = tuple(
+        Pipeline(num_microbatches=m, stages=tuple(Stage(layers=r, devices=tuple(d)) for r, d in stages))
+        for m, stages in pipelines
+    )
+    total = sum(m for m, _ in pipelines)
+    return Plan(
+        model=config, global_batch_size=total * mbs, micro_batch_size=mbs, seq_len=64, pipelines=pipes
+    )
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_buffer(n):
+    bandwidth_only = Link(latency_s=0.0, bandwidth_gbps=1.0)
+    assert all_reduce_s(1e9, n, bandwidth_only) == pytest.approx(2 * (n - 1) / n)
+    assert all_gather_s(1e9, n, bandwidth_only) == pytest.approx((n - 1) / n)
+    latency_only = Link(latency_s=1e-3, bandwidth_gbps=1e30)
+    assert all_reduce_s(1.0, n, latency_only) == pytest.approx(2 * (n - 1) * 1e-3)
+
+
+def test_a_single_rank_communicates_nothing():
+    assert all_reduce_s(1e9, 1, Link(latency_s=1.0, bandwidth_gbps=1.0)) == 0.0
+
+
+# ---- one stage --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_one_stage_is_the_sum_of_its_layers(tp):
+    profile = synthetic_profile()
+    cm = CostModel(profile, ClusterSpec.parse("8", "cpu"))
+    whole = cm.stage(0, TINY.num_layers, tp, 2)
+    parts = [cm.stage(i, i + 1, tp, 2) for i in range(TINY.num_layers)]
+    for field in ("compute_fwd_s", "compute_bwd_s", "tp_comm_fwd_s", "tp_comm_bwd_s", "optimizer_s"):
+        assert getattr(whole, field) == pytest.approx(sum(getattr(p, field) for p in parts))
+    for field in ("activation_bytes", "param_count"):
+        assert getattr(whole, field) == sum(getattr(p, field) for p in parts)
+    assert whole.boundary_bytes == parts[-1].boundary_bytes
+
+
+def test_stage_params_match_the_layout_of_tp_rank_zero():
+    plan = _plan([(2, [((0, 3), ["n0:0", "n0:1", "n0:2"]), ((3, 6), ["n0:3"])])])
+    cm = CostModel(synthetic_profile(), ClusterSpec.parse("4", "cpu"))
+    for device, (start, end, tp) in (("n0:0", (0, 3, 3)), ("n0:3", (3, 6, 1))):
+        held = sum(box.numel for _, box in device_pieces(plan, device))
+        assert cm.stage(start, end, tp, 2).param_count == held
+
+
+def test_tensor_parallelism_adds_collectives_only_when_tp_exceeds_one():
+    cm = CostModel(synthetic_profile(), ClusterSpec.parse("8", "cpu"))
+    assert cm.stage(1, 3, 1, 2).tp_comm_fwd_s == 0.0
+    two = cm.stage(1, 3, 2, 2)
+    # 2 blocks x 2 all-reduces each way of a [2, 64, 96] fp32 activation on 2 ranks.
+    link = cm.link("all_reduce", inter_node=False)
+    one = all_reduce_s(2 * 64 * 96 * 4, 2, link)
+    assert two.tp_comm_fwd_s == pytest.approx(4 * one)
+    assert two.tp_comm_bwd_s == pytest.approx(4 * one)
+
+
+# ---- 1F1B -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 9, 16])
+def test_1f1b_formula_is_exact_for_equal_stages(p, m):
+    f, b = 0.7, 1.9
+    formula = pipeline_time_s([f] * p, [b] * p, [0.0] * (p - 1), m)
+    assert formula == pytest.approx(simulate_1f1b([f] * p, [b] * p, [0.0] * (p - 1), m))
+    assert formula == pytest.approx((m + p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 9, 16])
+def test_1f1b_formula_with_transfers_is_within_one_round_trip_per_micro_batch(p, m):
+    """Transfers sit on the steady state's critical path only part of the time: the simulation lies
+    between the formula and the formula plus 2c per further micro-batch."""
+    f, b, c = 0.7, 1.9, 0.05
+    formula = pipeline_time_s([f] * p, [b] * p, [c] * (p - 1), m)
+    simulated = simulate_1f1b([f] * p, [b] * p, [c] * (p - 1), m)
+    assert formula - 1e-9 <= simulated <= formula + 2 * c * (m - 1) + 1e-9
+
+
+def test_1f1b_textbook_bubble_without_transfers():
+    for p, m in ((4, 8), (3, 3), (6, 24)):
+        assert pipeline_time_s([1.0] * p, [2.0] * p, [0.0] * (p - 1), m) == pytest.approx((m + p - 1) * 3.0)
+
+
+# Stated bound: for stages within +-25% of each other (what a balanced plan has), the formula is
+# within 1.5% below and 10% above the simulated schedule.
+@pytest.mark.parametrize("seed", range(5))
+def test_1f1b_formula_tracks_the_simulation_for_balanced_stages(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        p = rng.randint(1, 8)
+        m = rng.randint(p, 4 * p)
+        fwd = [rng.uniform(1.0, 1.25) for _ in range(p)]
+        bwd = [2 * f * rng.uniform(0.95, 1.05) for f in fwd]
+        p2p = [rng.uniform(0.0, 0.05) for _ in range(p - 1)]
+        simulated = simulate_1f1b(fwd, bwd, p2p, m)
+        predicted = pipeline_time_s(fwd, bwd, p2p, m)
+        assert -0.015 <= (predicted - simulated) / simulated <= 0.10
+
+
+def test_in_flight_micro_batches_under_1f1b():
+    assert [in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+def test_memory_by_hand_for_a_gpt_tiny_stage():
+    profile = synthetic_profile()
+    cm = CostModel(profile, ClusterSpec.parse("4", "cpu"))
+    plan = _plan([(4, [((0, 2), ["n0:0", "n0:1"]), ((2, 6), ["n0:2"])])])
+    est = cm.estimate(plan)
+    first = next(s for s in est.stages if s.stage == 0)
+    # embed (960x96) split in two, blocks.0 with its attention/MLP split in two and norms whole.
+    block = TINY.block_param_count()
+    norms = 2 * TINY.hidden_size
+    params = 960 * 96 // 2 + (block - norms) // 2 + norms
+    assert first.cost.param_count == params
+    activation = sum(profile.cost(i, 2, 2).activation_bytes for i in (0, 1))
+    assert first.memory == {
+        "params": params * FP32_BYTES,
+        "grads": params * FP32_BYTES,
+        "optimizer": 2 * params * FP32_BYTES,
+        "activations": 2 * activation,  # stage 0 of 2 holds 2 micro-batches
+        "comm_buffers": params * FP32_BYTES + 2 * 2 * 64 * 96 * 4,
+    }
+    assert first.peak_memory_bytes == sum(first.memory.values())
+    assert est.usable_memory_bytes == int(cm.cluster.device.memory_bytes * (1 - MEMORY_HEADROOM))
+    assert est.peak_memory_bytes["n0:1"] == first.peak_memory_bytes
+
+
+def test_a_plan_that_does_not_fit_is_flagged():
+    big = PRESETS["llama2-7b"]
+    profile = synthetic_profile(big, seq_len=128, tp_degrees=(1,))
+    cluster = ClusterSpec.parse("1", "A100-40GB")  # 6.7e9 params x 16 bytes is far above 40 GiB
+    plan = _plan([(1, [((0, big.num_layers), ["n0:0"])])], mbs=1, config=big)
+    assert not CostModel(profile, cluster).estimate(plan).fits
+
+
+# ---- step time --------------------------------------------------------------------------------------
+def test_step_is_slowest_pipeline_plus_sync_plus_optimizer():
+    cm = CostModel(synthetic_profile(), ClusterSpec.parse("3,3", "cpu"))
+    plan = _plan(
+        [
+            (5, [((0, 3), ["n0:0", "n0:1"]), ((3, 6), ["n0:2"])]),
+            (3, [((0, 2), ["n1:0", "n1:1"]), ((2, 6), ["n1:2"])]),
+        ]
+    )
+    est = cm.estimate(plan)
+    assert est.step_time_s == pytest.approx(max(est.pipeline_times_s) + est.sync_s + est.optimizer_s)
+    assert est.samples_per_s == pytest.approx(16 / est.step_time_s)
+    # the gradient sync crosses nodes, so it uses the inter-node link
+    stage = next(s for s in est.stages if s.devices == ("n0:2",))
+    assert stage.sync_s == pytest.approx(
+        all_reduce_s(stage.cost.grad_bytes, 2, cm.link("all_reduce", inter_node=True))
+    )
+    text = est.explain()
+    for term in (
+        "fwd ms",
+        "tp comm ms",
+        "p2p ms",
+        "bubble ms",
+        "sync ms",
+        "opt ms",
+        "activ MiB",
+        "peak / usable",
+    ):
+        assert term in text
+
+
+def test_sync_volume_matches_the_buckets_the_runtime_reduces():
+    """For pipelines of equal layout, 2(P-1)/P of a device's gradient bytes is exactly the ring volume
+    of the buckets costmodel.layout gives that device."""
+    plan = _plan(
+        [
+            (2, [((0, 3), ["n0:0"]), ((3, 6), ["n0:1"])]),
+            (2, [((0, 3), ["n0:2"]), ((3, 6), ["n0:3"])]),
+            (2, [((0, 3), ["n1:0"]), ((3, 6), ["n1:1"])]),
+        ]
+    )
+    buckets = sync_buckets(plan)
+    for device in ("n0:0", "n0:3", "n1:1"):
+        ring_bytes = sum(
+            2 * (len(group) - 1) / len(group) * sum(box.numel for _, box in segments) * FP32_BYTES
+            for group, segments in buckets.items()
+            if device in group
+        )
+        held = sum(box.numel for _, box in device_pieces(plan, device)) * FP32_BYTES
+        assert ring_bytes == pytest.approx(2 * (3 - 1) / 3 * held)
