@@ -15,6 +15,7 @@ from costmodel.hardware import device_kind
 from costmodel.jsonio import SCHEMA_VERSION, check_schema, read_json, require
 
 _SHORT_FORM = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+_DEVICE = re.compile(r"([^:]+):([0-9]+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +118,7 @@ class ClusterSpec:
         """`"8,8,7"` (with the device `kind` of the profile) or the path of a cluster JSON file."""
         if _SHORT_FORM.match(text):
             return cls.from_counts([int(c) for c in text.split(",")], kind)
-        if Path(text).suffix == ".json" or Path(text).exists():
+        if Path(text).suffix == ".json" or Path(text).is_file():
             return cls.from_json(read_json(text, "cluster"))
         raise ElastorError(
             f"Cluster {text!r} is neither healthy GPUs per node like 8,8,7 nor a cluster JSON file."
@@ -152,6 +153,11 @@ class ClusterSpec:
             raise ElastorError("The cluster's nodes must be a list of {name, gpus} objects.")
         for n in data["nodes"]:
             require(n, "cluster node", "name", "gpus")
+            if not isinstance(n["gpus"], list):
+                raise ElastorError(
+                    f"Cluster node {n['name']}'s gpus must be a list of GPU ids like [0, 1, 2], "
+                    f"not {n['gpus']!r}."
+                )
         return cls(
             device=DeviceSpec(
                 kind=dev["kind"], memory_bytes=int(dev["memory_bytes"]), peak_flops=float(dev["peak_flops"])
@@ -167,7 +173,7 @@ class ClusterSpec:
 
 def parse_device(device: str) -> tuple[str, int]:
     """`"n1:3"` -> `("n1", 3)`."""
-    node, sep, gpu = device.rpartition(":")
-    if not sep or not node or not gpu.isdigit():
+    match = _DEVICE.fullmatch(device)
+    if not match:
         raise ElastorError(f"Device {device!r} is not of the form <node>:<gpu>, like n1:3.")
-    return node, int(gpu)
+    return match[1], int(match[2])

@@ -55,6 +55,8 @@ def check_schema(data: dict[str, Any], what: str) -> None:
 
 def require(data: dict[str, Any], what: str, *keys: str) -> None:
     """Name every missing required field of `data` in one sentence."""
+    if not isinstance(data, dict):
+        raise ElastorError(f"The {what} must be a JSON object, not {type(data).__name__}.")
     missing = [k for k in keys if k not in data]
     if missing:
         raise ElastorError(f"The {what} lacks the required field(s) {', '.join(missing)}.")

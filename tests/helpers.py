@@ -1,0 +1,68 @@
+"""Shared test helpers: repository paths, the example files, small synthetic models and profiles."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from costmodel import LayerCost, LayerProfile, ModelConfig, ModelProfile
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+PLAN_HETERO = EXAMPLES / "plan-hetero.json"
+CLUSTER_8_7 = EXAMPLES / "cluster-8-7.json"
+
+# Three blocks, tied embeddings and grouped-query attention (4 query heads share 2 key/value heads):
+# the shape that exercises the paths gpt-tiny does not.
+TIED_TINY = ModelConfig(
+    name="tied-tiny",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_blocks=3,
+    num_heads=4,
+    num_kv_heads=2,
+    max_seq_len=64,
+    tie_embeddings=True,
+)
+
+
+def example_plan_json() -> dict[str, Any]:
+    """A fresh, mutable copy of examples/plan-hetero.json."""
+    return copy.deepcopy(json.loads(PLAN_HETERO.read_text()))
+
+
+def synthetic_profile(config: ModelConfig, micro_batch_sizes=(1, 2), tp_degrees=(1, 2)) -> ModelProfile:
+    """A profile whose numbers are made up but distinct per layer, size and degree."""
+    layers = []
+    for i, name in enumerate(config.layer_names()):
+        costs = tuple(
+            LayerCost(
+                micro_batch_size=m,
+                tp_degree=t,
+                fwd_s=1e-3 * (i + 1) * m / t,
+                bwd_s=2e-3 * (i + 1) * m / t,
+                activation_bytes=1000 * (i + 1) * m // t,
+                fwd_spread_s=1e-5 * (i + 1),
+            )
+            for m in micro_batch_sizes
+            for t in tp_degrees
+        )
+        layers.append(
+            LayerProfile(
+                name=name,
+                param_count=config.layer_param_count(i),
+                output_bytes_per_sample=4 * config.hidden_size * 16,
+                costs=costs,
+            )
+        )
+    return ModelProfile(model=config, device_kind="cpu", seq_len=16, layers=tuple(layers), source="cpu")
+
+
+def run_elastor(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m elastor ARGS` in a fresh interpreter, as a user would run it."""
+    return subprocess.run(
+        [sys.executable, "-m", "elastor", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
