@@ -26,7 +26,8 @@ moments and writes three of them (7 fp32 words), plus one read of the gradient f
 
 Peak memory per device: fp32 parameters, gradients and AdamW moments of the shard it holds;
 activations of the micro-batches in flight under 1F1B (stage s of p holds min(p - s, m));
-the flattened gradient-sync buffer; the send/receive buffers of the stage boundary. A plan fits when
+the flattened gradient-sync buffer; the send/receive buffers of the stage boundary; the largest
+transient working memory of one of its layers (measured by the profiler on CUDA). A plan fits when
 this peak is at most the device memory less MEMORY_HEADROOM.
 """
 
@@ -70,6 +71,7 @@ class StageCost:
     tp_comm_bwd_s: float
     param_count: int  # parameters this device holds (TP rank 0: the largest shard)
     activation_bytes: int  # kept for backward per micro-batch
+    transient_bytes: int  # the largest layer's working memory above what it keeps (layers run one by one)
     boundary_bytes: int  # sent to the next stage per micro-batch
     optimizer_s: float
 
@@ -93,6 +95,7 @@ class StageCost:
             "optimizer": 2 * self.param_count * FP32_BYTES,
             "activations": self.activation_bytes * in_flight,
             "comm_buffers": self.grad_bytes + 2 * self.boundary_bytes,
+            "transient": self.transient_bytes,
         }
 
 
@@ -264,6 +267,7 @@ class CostModel:
             tp_comm_bwd_s=tp_bwd,
             param_count=params,
             activation_bytes=sum(c.activation_bytes for c in costs),
+            transient_bytes=max(c.transient_bytes for c in costs),
             boundary_bytes=prof.layers[end - 1].output_bytes_per_sample * mbs,
             optimizer_s=optimizer_s,
         )

@@ -144,6 +144,7 @@ def test_memory_by_hand_for_a_gpt_tiny_stage():
         "optimizer": 2 * params * FP32_BYTES,
         "activations": 2 * activation,  # stage 0 of 2 holds 2 micro-batches
         "comm_buffers": params * FP32_BYTES + 2 * 2 * 64 * 96 * 4,
+        "transient": 0,
     }
     assert first.peak_memory_bytes == sum(first.memory.values())
     assert est.usable_memory_bytes == int(cm.cluster.device.memory_bytes * (1 - MEMORY_HEADROOM))
