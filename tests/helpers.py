@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from costmodel import LayerCost, LayerProfile, ModelConfig, ModelProfile
+from costmodel import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -32,33 +32,6 @@ TIED_TINY = ModelConfig(
 def example_plan_json() -> dict[str, Any]:
     """A fresh, mutable copy of examples/plan-hetero.json."""
     return copy.deepcopy(json.loads(PLAN_HETERO.read_text()))
-
-
-def synthetic_profile(config: ModelConfig, micro_batch_sizes=(1, 2), tp_degrees=(1, 2)) -> ModelProfile:
-    """A profile whose numbers are made up but distinct per layer, size and degree."""
-    layers = []
-    for i, name in enumerate(config.layer_names()):
-        costs = tuple(
-            LayerCost(
-                micro_batch_size=m,
-                tp_degree=t,
-                fwd_s=1e-3 * (i + 1) * m / t,
-                bwd_s=2e-3 * (i + 1) * m / t,
-                activation_bytes=1000 * (i + 1) * m // t,
-                fwd_spread_s=1e-5 * (i + 1),
-            )
-            for m in micro_batch_sizes
-            for t in tp_degrees
-        )
-        layers.append(
-            LayerProfile(
-                name=name,
-                param_count=config.layer_param_count(i),
-                output_bytes_per_sample=4 * config.hidden_size * 16,
-                costs=costs,
-            )
-        )
-    return ModelProfile(model=config, device_kind="cpu", seq_len=16, layers=tuple(layers), source="cpu")
 
 
 def run_elastor(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

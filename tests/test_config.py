@@ -4,7 +4,8 @@ import dataclasses
 import json
 
 import pytest
-from helpers import TIED_TINY, synthetic_profile
+from helpers import TIED_TINY
+from synthetic import synthetic_profile
 
 from costmodel import PRESETS, ElastorError, LayerCost, LayerProfile, ModelConfig, ModelProfile
 from costmodel.config import load_model_config
@@ -267,7 +268,7 @@ def test_profile_json_round_trip(tmp_path):
     assert [layer["name"] for layer in data["layers"]] == TIED_TINY.layer_names()
     again = ModelProfile.from_json(data)
     assert again == profile
-    assert again.cost(2, 2, 1).fwd_s == pytest.approx(6e-3)
+    assert again.cost(2, 2, 1).fwd_s == pytest.approx(TIED_TINY.layer_param_count(2) * 1e-9 * 2)
 
 
 def test_profile_queries():
@@ -275,7 +276,9 @@ def test_profile_queries():
     assert profile.micro_batch_sizes() == [1, 4]
     assert profile.tp_degrees() == [1, 3]
     assert profile.bytes_per_param == 4
-    assert profile.cost(1, 4, 3).activation_bytes == 1000 * 2 * 4 // 3
+    assert (
+        profile.cost(1, 4, 3).activation_bytes == 4 * 64 * 96 * 6 * 4 // 3
+    )  # fp32 x seq x hidden x 6 x mbs / tp
     with pytest.raises(ElastorError) as e:
         profile.cost(1, 2, 3)
     assert str(e.value) == (
