@@ -12,6 +12,12 @@ holder induces; each resulting segment is held whole by a set of devices, and ex
 reduce it. Segments with the same holder set form one bucket: one collective per bucket, and no
 device moves bytes of a parameter it does not hold. Torch-free, shared by the runtime and the cost
 model so that what is predicted is what is run.
+
+The TP ranks of one stage that replicate a parameter (the norms) already hold identical, complete
+gradients: the column-parallel layers after a norm all-reduce its output gradient. So a segment needs
+a reduction only when its holders sit in two or more stages; in that reduction, each stage's first
+holder contributes its gradient and its other TP ranks contribute zeros (`contributes`), so nothing
+is counted twice.
 """
 
 from collections import defaultdict
@@ -126,8 +132,9 @@ def device_pieces(plan: Plan, device: str) -> list[tuple[ParamSpec, Box]]:
 def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
     """Gradient-sync buckets: holder devices (in rank order) -> the (parameter, segment) they reduce.
 
-    Only segments with two or more holders appear. Iteration order is deterministic (parameters in
-    layer order, devices in rank order), so every rank creates the same groups in the same order.
+    Only segments whose holders sit in two or more stages appear (see the module docstring).
+    Iteration order is deterministic (parameters in layer order, devices in rank order), so every
+    rank creates the same groups in the same order.
     """
     rank = {d: i for i, d in enumerate(plan.devices)}
     holders: dict[str, list[tuple[str, Box]]] = defaultdict(list)
@@ -141,9 +148,17 @@ def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
         spec = specs[name]
         for segment in segments(spec, [box for _, box in holders[name]]):
             owners = tuple(sorted((d for d, box in holders[name] if box.contains(segment)), key=rank.get))
-            if len(owners) > 1:
+            if len({plan.placement(d) for d in owners}) > 1:
                 buckets[owners].append((name, segment))
     return dict(sorted(buckets.items(), key=lambda kv: [rank[d] for d in kv[0]]))
+
+
+def contributes(plan: Plan, device: str, holders: tuple[str, ...]) -> bool:
+    """Whether `device` adds its gradient to a segment's reduction among `holders`, or zeros: one
+    holder per stage contributes (the first in rank order), because a stage's TP replicas of a
+    parameter hold the same gradient."""
+    placement = plan.placement(device)
+    return next(d for d in holders if plan.placement(d) == placement) == device
 
 
 def _layer_order(config: ModelConfig, specs: dict[str, ParamSpec]) -> list[str]:

@@ -11,7 +11,8 @@ rotary embeddings rotate the two halves of each head (`rotate_half`), RMSNorm co
 With tied embeddings, a slice that holds `head` but not `embed` keeps its own copy of `embed.weight`;
 the runtime sums the two copies' gradients like any other replicated parameter.
 
-`tp_degree` builds the per-rank shard of attention (heads / t) and MLP (width / t) without any
+`tp_degree` (and `tp_rank`) build one rank's shard of attention (heads / t) and MLP (its share of
+the width, which costmodel/layout.py splits larger-first when t does not divide it) without any
 communication; the runtime adds the collectives, the profiler times the shard as it is.
 """
 
@@ -89,11 +90,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); with `tp_degree` t, width/t of it."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)); with `tp_degree` t, TP rank `tp_rank`'s
+    share of the width (rank 0's, the largest, by default)."""
 
-    def __init__(self, config: ModelConfig, tp_degree: int = 1):
+    def __init__(self, config: ModelConfig, tp_degree: int = 1, tp_rank: int = 0):
         super().__init__()
-        width = shard_size(config.intermediate_size, tp_degree, 0)
+        width = shard_size(config.intermediate_size, tp_degree, tp_rank)
         self.gate = nn.Linear(config.hidden_size, width, bias=False)
         self.up = nn.Linear(config.hidden_size, width, bias=False)
         self.down = nn.Linear(width, config.hidden_size, bias=False)
@@ -105,12 +107,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, tp_degree: int = 1):
+    def __init__(self, config: ModelConfig, tp_degree: int = 1, tp_rank: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = Attention(config, tp_degree)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = MLP(config, tp_degree)
+        self.mlp = MLP(config, tp_degree, tp_rank)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
