@@ -1,0 +1,31 @@
+"""Partition-agnostic, asynchronous, crash-safe checkpoints: save under one plan, load under any other.
+
+- `format`: the directory layout, manifest and storage order (read this first);
+- `assign`: which rank writes which piece, a pure function of the plan;
+- `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
+- `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
+- `save`: `Checkpointer`, the asynchronous save and the commit;
+- `store`: durable writes, atomic commit, `latest`, retention, finding the newest checkpoint;
+- `load`: reading only the byte ranges a rank needs, checksummed;
+- `verify`, `export`: whole-checkpoint checks and the Hugging Face safetensors export.
+"""
+
+from runtime.checkpoint.format import CheckpointError
+from runtime.checkpoint.load import CheckpointReader, checkpoint_meta, load_checkpoint, restore
+from runtime.checkpoint.pieces import Piece, Wanted, wanted_for
+from runtime.checkpoint.save import Checkpointer
+from runtime.checkpoint.store import latest_checkpoint, resolve
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "Checkpointer",
+    "Piece",
+    "Wanted",
+    "checkpoint_meta",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resolve",
+    "restore",
+    "wanted_for",
+]
