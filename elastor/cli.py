@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from costmodel import ElastorError
-from elastor.commands import validate
+from elastor.commands import ckpt, validate
 
 # Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
-COMMANDS = (validate,)
+COMMANDS = (validate, ckpt)
 
 
 def build_parser() -> argparse.ArgumentParser:

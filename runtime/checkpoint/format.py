@@ -215,6 +215,7 @@ class Manifest:
 
     path: Path  # the checkpoint directory
     step: int
+    created_time_s: float
     model: dict[str, Any]
     plan: dict[str, Any]
     meta: dict[str, Any]
@@ -250,6 +251,7 @@ class Manifest:
         return cls(
             path=directory,
             step=body["step"],
+            created_time_s=body["created_time_s"],
             model=body["model"],
             plan=body["plan"],
             meta=body["meta"],

@@ -157,7 +157,7 @@ class CheckpointReader:
             size = self.manifest.chunk_bytes
             raise CheckpointError(
                 f"Checkpoint file {self.path / piece.file} is corrupt: bytes {piece.offset + k * size}.."
-                f"{piece.offset + k * size + len(data)} of {entry.name!r} fail their CRC32C check."
+                f"{piece.offset + k * size + len(data)} (tensor {entry.name!r}) fail their CRC32C check."
             )
 
     def _open(self, file: str) -> int:

@@ -77,7 +77,7 @@ def _check_piece(path, chunk_bytes: int, name: str, piece, buffer) -> str | None
             if crc(view) != expected:
                 begin = piece.offset + k * chunk_bytes
                 return (
-                    f"Checkpoint file {path} is corrupt: bytes {begin}..{begin + size} of {name!r} "
+                    f"Checkpoint file {path} is corrupt: bytes {begin}..{begin + size} (tensor {name!r}) "
                     "fail their CRC32C check."
                 )
             running = crc(view, running)

@@ -1,0 +1,82 @@
+"""`elastor ckpt inspect|verify|export DIR`: look into, check, or export a checkpoint.
+
+DIR is a --ckpt-dir (meaning its newest complete checkpoint) or one checkpoint's directory.
+"""
+
+import argparse
+import sys
+from datetime import UTC, datetime
+
+from costmodel import ModelConfig, Plan
+from costmodel.table import format_table
+from elastor.commands import subcommand
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subcommand(
+        subparsers,
+        "ckpt",
+        "Inspect, verify or export a checkpoint (DIR: a --ckpt-dir, meaning its newest, or one checkpoint).",
+        "elastor ckpt export ckpt/ --format safetensors --out hf/model.safetensors",
+    )
+    p.add_argument("action", choices=("inspect", "verify", "export"), help="what to do with the checkpoint")
+    p.add_argument("dir", metavar="DIR", help="a --ckpt-dir or one checkpoint's directory")
+    p.add_argument("--format", default="safetensors", choices=("safetensors",), help="export format")
+    p.add_argument(
+        "--out",
+        default="model.safetensors",
+        help="export file; config.json is written beside it (default: %(default)s)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: the checkpoint needs torch, which the other subcommands do not.
+    from runtime.checkpoint.export import export_safetensors
+    from runtime.checkpoint.format import Manifest
+    from runtime.checkpoint.store import resolve
+    from runtime.checkpoint.verify import verify_checkpoint
+
+    if args.action == "inspect":
+        print(_inspect(Manifest.read(resolve(args.dir))))
+        return 0
+    if args.action == "verify":
+        report = verify_checkpoint(args.dir)
+        for problem in report.problems:
+            print(f"elastor: error: {problem}", file=sys.stderr)
+        if report.problems:
+            return 2
+        print(
+            f"{report.path}: step {report.step}, {report.tensors} tensors in {report.pieces} pieces, "
+            f"{_mb(report.bytes_checked)} checked: every CRC32C matches."
+        )
+        return 0
+    out, config = export_safetensors(args.dir, args.out)
+    print(f"wrote {out} ({_mb(out.stat().st_size)}) and {config}")
+    return 0
+
+
+def _inspect(manifest) -> str:
+    model = ModelConfig.from_json(manifest.model)
+    saved = datetime.fromtimestamp(manifest.created_time_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    total = sum(manifest.files.values())
+    lines = [
+        f"checkpoint {manifest.path}",
+        f"step {manifest.step}, model {model.name} ({model.param_count:,} parameters), saved {saved}, "
+        f"{_mb(total)} in {len(manifest.files)} data file(s), CRC32C per {_mb(manifest.chunk_bytes)} chunk",
+        "",
+        "saved under " + Plan.from_json(manifest.plan).summary(),
+        "",
+        format_table([("data file", "bytes"), *((f, f"{n:,}") for f, n in sorted(manifest.files.items()))]),
+        "",
+    ]
+    rows = [("tensor", "dtype", "shape", "split dim", "pieces", "bytes")]
+    for t in manifest.tensors.values():
+        shape = "x".join(map(str, t.shape))
+        rows.append((t.name, t.dtype, shape, str(t.split_dim), str(len(t.pieces)), f"{t.nbytes:,}"))
+    lines.append(format_table(rows))
+    return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n:,} B"
