@@ -1,0 +1,248 @@
+"""Measure the collectives on this host and fit a latency + bandwidth (alpha-beta) model to each.
+
+`measure_collectives` spawns N local processes (gloo on CPU, NCCL with one GPU each on CUDA) that
+meet through a FileStore in a temporary directory and talk over the loopback interface only. For
+every group size n = 2..N (ranks 0..n-1) it times all-reduce, all-gather, reduce-scatter and
+point-to-point send/recv (pairs 0->1, 2->3, ... at once) at message sizes from 4 bytes to 32 MiB:
+the median of `repeats` runs after `warmup`, the slowest rank's median counting.
+
+`fit` fits, per collective, the model the cost model evaluates (costmodel/comm.py):
+    time_s = steps(n) * latency_s + bus_bytes(n, S) / (bandwidth_gbps * 1e9)
+    all_reduce      steps 2(n-1)  bus 2(n-1)/n * S   (S: the buffer reduced)
+    all_gather      steps n-1     bus (n-1)/n * S    (S: the gathered output)
+    reduce_scatter  steps n-1     bus (n-1)/n * S    (S: the input reduced)
+    p2p             steps 1       bus S              (S: the message; send/recv)
+by least squares on relative error (numpy), so microsecond latencies weigh as much as megabyte
+transfers, over all group sizes together, and per group size for inspection.
+
+One host can only measure the intra-node scope. The inter-node entry is a copy of the intra-node
+fit, marked `copied_from`, so that a cluster file written here is complete; replace it with a
+measurement across hosts (or the datasheet defaults) before planning multi-node jobs.
+"""
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from costmodel.cluster import ClusterSpec, DeviceSpec, LinkSpec, NodeSpec
+from costmodel.errors import ElastorError
+from costmodel.hardware import DEVICE_KINDS
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# 4 B to 64 MiB by factors of 8: latency-bound to bandwidth-bound on any link.
+DEFAULT_SIZES = tuple(4 * 8**k for k in range(9))
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 2
+# The whole benchmark must finish within this, or it is stopped and reported.
+TIMEOUT_S = 600
+
+
+def default_max_group_size() -> int:
+    """Four processes, or fewer on a machine of one core (2 per core)."""
+    return min(4, 2 * (os.cpu_count() or 1))
+
+
+def model_terms(collective: str, n: int, num_bytes: float) -> tuple[float, float]:
+    """(steps, bus bytes) of a collective on n ranks; the ring algorithms of costmodel/comm.py."""
+    if collective == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n * num_bytes
+    if collective in ("all_gather", "reduce_scatter"):
+        return n - 1, (n - 1) / n * num_bytes
+    return 1, num_bytes
+
+
+# ---- the worker processes --------------------------------------------------------------------------
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _operation(collective: str, n: int, rank: int, numel: int, group, device):
+    """A closure running one `collective` of `numel` float32 elements, and the bytes it is timed at."""
+    if collective == "all_reduce":
+        buf = torch.zeros(numel, device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+    if collective == "all_gather":
+        out, inp = torch.empty(numel, device=device), torch.zeros(numel // n, device=device)
+        return lambda: dist.all_gather_single(out, inp, group=group)
+    if collective == "reduce_scatter":
+        out, inp = torch.empty(numel // n, device=device), torch.zeros(numel, device=device)
+        return lambda: dist.reduce_scatter_single(out, inp, group=group)
+    buf = torch.zeros(numel, device=device)
+    peer = rank ^ 1  # pairs (0, 1), (2, 3), ...; the last rank of an odd group idles
+    if peer >= n:
+        return lambda: None
+    return (lambda: dist.send(buf, peer)) if rank % 2 == 0 else (lambda: dist.recv(buf, peer))
+
+
+def _time_collective(collective, n, rank, num_bytes, group, device, repeats, warmup) -> tuple[int, float]:
+    numel = max(n, num_bytes // 4 // n * n)  # float32 elements, divisible by n
+    op = _operation(collective, n, rank, numel, group, device)
+    times = []
+    for _ in range(warmup + repeats):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([float(np.median(times[warmup:]))], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return numel * 4, float(slowest.item())
+
+
+def _worker(
+    rank: int, world: int, store_path: str, backend: str, interface: str | None, options: dict
+) -> None:
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = interface
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        groups = {n: dist.new_group(list(range(n))) for n in range(2, world)}
+        groups[world] = dist.group.WORLD
+        samples = []
+        for n, group in sorted(groups.items()):
+            for collective in COLLECTIVES:
+                for size in options["sizes"]:
+                    if rank < n:
+                        num_bytes, seconds = _time_collective(
+                            collective, n, rank, size, group, device, options["repeats"], options["warmup"]
+                        )
+                        samples.append(
+                            {"collective": collective, "group_size": n, "bytes": num_bytes, "time_s": seconds}
+                        )
+                    dist.barrier()  # the ranks outside the group wait here
+        if rank == 0:
+            with open(options["result_path"], "w") as f:
+                json.dump(samples, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(
+    max_group_size: int,
+    *,
+    device: str = "cpu",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    timeout_s: float = TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """Samples {collective, group_size, bytes, time_s} for group sizes 2..max_group_size."""
+    if max_group_size < 2:
+        raise ElastorError(
+            f"Measuring collectives needs a group of at least 2 processes, not {max_group_size}."
+        )
+    backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < max_group_size:
+        raise ElastorError(
+            f"Measuring NCCL collectives on {max_group_size} ranks needs as many GPUs, but this machine "
+            f"has {torch.cuda.device_count()}; lower --comm-ranks."
+        )
+    with tempfile.TemporaryDirectory(prefix="elastor-comm-") as tmp:
+        options = {
+            "sizes": list(sizes),
+            "repeats": repeats,
+            "warmup": warmup,
+            "result_path": os.path.join(tmp, "samples.json"),
+        }
+        args = (max_group_size, os.path.join(tmp, "store"), backend, _loopback_interface(), options)
+        context = mp.spawn(_worker, args=args, nprocs=max_group_size, join=False)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise ElastorError(
+                        f"The collective benchmark did not finish within {timeout_s:.0f} s; "
+                        "use fewer ranks or smaller messages."
+                    )
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in context.processes:
+                process.join(timeout=10)
+        with open(options["result_path"]) as f:
+            return json.load(f)
+
+
+# ---- the fit -----------------------------------------------------------------------------------------
+def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Least-squares latency and bandwidth of one collective's samples, minimising relative error."""
+    collective = samples[0]["collective"]
+    terms = np.array([model_terms(collective, s["group_size"], s["bytes"]) for s in samples], dtype=float)
+    times = np.array([s["time_s"] for s in samples], dtype=float)
+    weighted = terms / times[:, None]
+    ones = np.ones(len(samples))
+    (latency, seconds_per_byte), *_ = np.linalg.lstsq(weighted, ones, rcond=None)
+    if latency < 0:  # no measurable latency: fit bandwidth alone
+        latency = 0.0
+        seconds_per_byte = float(np.linalg.lstsq(weighted[:, 1:], ones, rcond=None)[0][0])
+    seconds_per_byte = max(float(seconds_per_byte), 1e-15)
+    predicted = terms @ np.array([latency, seconds_per_byte])
+    return {
+        "latency_s": float(latency),
+        "bandwidth_gbps": 1.0 / seconds_per_byte / 1e9,
+        "max_rel_error": float(np.max(np.abs(predicted - times) / times)),
+        "samples": len(samples),
+    }
+
+
+def collectives_block(samples: Sequence[dict[str, Any]], backend: str) -> dict[str, Any]:
+    """The cluster file's `links.collectives`: per collective an intra-node fit and its inter-node copy."""
+    block: dict[str, Any] = {}
+    for collective in COLLECTIVES:
+        mine = [s for s in samples if s["collective"] == collective]
+        if not mine:
+            continue
+        intra = fit_alpha_beta(mine)
+        intra["by_group_size"] = {
+            str(n): fit_alpha_beta([s for s in mine if s["group_size"] == n])
+            for n in sorted({s["group_size"] for s in mine})
+        }
+        inter = {k: intra[k] for k in ("latency_s", "bandwidth_gbps")}
+        inter["copied_from"] = "intra_node"
+        block[collective] = {"intra_node": intra, "inter_node": inter}
+    block["measurement"] = {
+        "backend": backend,
+        "model": "time_s = steps(n) * latency_s + bus_bytes(n, S) / (bandwidth_gbps * 1e9), ring "
+        "algorithms as in costmodel/comm.py; p2p is send/recv",
+        "scopes_measured": ["intra_node"],
+        "note": "measured on one host, so only the intra-node scope is real; inter_node is a copy of "
+        "the intra-node fit until it is measured across hosts",
+        "samples": list(samples),
+    }
+    return block
+
+
+def measured_cluster(block: dict[str, Any], num_devices: int, kind: str) -> ClusterSpec:
+    """One node of `num_devices` devices whose links are the measured fits (all-reduce sets the GB/s)."""
+    hw = DEVICE_KINDS.get(kind, DEVICE_KINDS["cpu"])
+    bandwidth = block["all_reduce"]["intra_node"]["bandwidth_gbps"]
+    return ClusterSpec(
+        device=DeviceSpec(kind=kind, memory_bytes=hw.memory_bytes, peak_flops=hw.peak_flops),
+        nodes=(NodeSpec(name="n0", gpus=tuple(range(num_devices))),),
+        links=LinkSpec(intra_node_gbps=bandwidth, inter_node_gbps=bandwidth, collectives=block),
+    )

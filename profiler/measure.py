@@ -1,0 +1,278 @@
+"""Measure a model's per-layer costs on this machine's CPU or CUDA GPU.
+
+For each kind of layer (embed, one block shared by all blocks, head), each TP degree and each
+micro-batch size: forward and backward time of TP rank 0's shard (`profiler.layers`), the median of
+`repeats` runs after `warmup` runs, with the interquartile range as the spread; and the activation
+bytes that shard keeps for backward (`profiler.memory`). Times come from `time.perf_counter` on CPU
+and from CUDA events on a GPU. Parameter gradients accumulate across repeats, as over the
+micro-batches of a training step.
+"""
+
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from costmodel import analytic
+from costmodel.config import ModelConfig
+from costmodel.errors import ElastorError
+from costmodel.profile import LayerCost, LayerProfile, ModelProfile
+from profiler.layers import KINDS, build_shard, example_input
+from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CUDA device names and the device kinds of costmodel.hardware they are (memory tells A100s apart).
+# Timed runs per shape after the warm-up runs: the median of 20 is steady to a few percent on an
+# idle CPU, and a gpt-tiny profile of every default shape still takes a few seconds.
+DEFAULT_REPEATS = 20
+DEFAULT_WARMUP = 3
+# One intra-op thread on CPU: a CPU "device" of the runtime is one process, and with one thread a
+# measurement on a busy machine slows down gracefully; with two threads on two busy cores, OpenMP's
+# barriers made medians of the same layer differ by up to 1.7x between back-to-back profiles.
+CPU_THREADS = 1
+CUDA_KINDS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-{}GB"))
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ElastorError(
+            "--device cuda needs a CUDA GPU but torch sees none here; use --device cpu, or --analytic "
+            "--device-kind KIND for hardware you do not have."
+        )
+
+
+def cuda_device_kind() -> str:
+    """The device kind of GPU 0 (H100-80GB ...), or its name when the hardware table lacks it."""
+    props = torch.cuda.get_device_properties(0)
+    for marker, kind in CUDA_KINDS:
+        if marker in props.name:
+            return kind.format(80 if props.total_memory > 48 * 2**30 else 40)
+    return props.name
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    """Median and interquartile range."""
+    q1, median, q3 = np.percentile(samples, [25, 50, 75])
+    return float(median), float(q3 - q1)
+
+
+def _timed_steps(
+    shard: torch.nn.Module, x: torch.Tensor, device: str, runs: int
+) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `runs` training steps of `shard` on input `x`."""
+    fwd, bwd = [], []
+    grad = None
+    for _ in range(runs):
+        if device == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            torch.cuda.synchronize()
+            marks[0].record()
+        else:
+            t0 = time.perf_counter()
+        out = shard(x)
+        if device == "cuda":
+            marks[1].record()
+        else:
+            t1 = time.perf_counter()
+        if out.dim() and grad is None:
+            grad = torch.randn_like(out)
+        out.backward(grad if out.dim() else None)
+        if device == "cuda":
+            marks[2].record()
+            marks[2].synchronize()
+            fwd.append(marks[0].elapsed_time(marks[1]) / 1e3)
+            bwd.append(marks[1].elapsed_time(marks[2]) / 1e3)
+        else:
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        x.grad = None
+    return fwd, bwd
+
+
+def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[int, int]:
+    """(kept, transient) activation bytes of one step; transient is measured on CUDA only."""
+    if device != "cuda":
+        out, kept = saved_tensor_bytes(shard, lambda: shard(x))
+        del out
+        return kept, 0
+    targets = getattr(shard, "targets", None)
+
+    def forward() -> torch.Tensor:
+        # Fresh copies made inside the measurement: freed at once unless the layer keeps them.
+        if targets is not None:
+            shard.targets = targets.clone()
+        return shard(x.clone())
+
+    def backward(out: torch.Tensor) -> None:
+        out.backward(torch.ones_like(out) if out.dim() else None)
+
+    kept, transient = cuda_activation_bytes(forward, backward)
+    x.grad = None
+    return kept, transient
+
+
+def measure_layer(
+    config: ModelConfig,
+    kind: str,
+    micro_batch_sizes: Sequence[int],
+    tp_degree: int,
+    seq_len: int,
+    *,
+    device: str,
+    dtype: str,
+    repeats: int,
+    warmup: int,
+    generator: torch.Generator,
+    tick: Callable[[], None] = lambda: None,
+) -> list[LayerCost]:
+    """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
+    shard = build_shard(config, kind, tp_degree, device, TORCH_DTYPES[dtype])
+    costs = []
+    for mbs in micro_batch_sizes:
+        x = example_input(shard, config, mbs, seq_len, generator)
+        fwd, bwd = _timed_steps(shard, x, device, warmup + repeats)
+        (fwd_s, fwd_spread), (bwd_s, bwd_spread) = _stats(fwd[warmup:]), _stats(bwd[warmup:])
+        kept, transient = _activation(shard, x, device)
+        costs.append(
+            LayerCost(
+                micro_batch_size=mbs,
+                tp_degree=tp_degree,
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+                activation_bytes=kept,
+                fwd_spread_s=fwd_spread,
+                bwd_spread_s=bwd_spread,
+                fwd_flops=analytic.forward_flops(config, kind, mbs, seq_len, tp_degree),
+                transient_bytes=transient,
+            )
+        )
+        tick()
+    return costs
+
+
+def _measure_kinds(
+    config: ModelConfig,
+    micro_batch_sizes: Sequence[int],
+    tp_degrees: Sequence[int],
+    seq_len: int,
+    device: str,
+    dtype: str,
+    repeats: int,
+    warmup: int,
+    generator: torch.Generator,
+    progress: bool,
+) -> dict[str, list[LayerCost]]:
+    bar = tqdm(
+        total=len(KINDS) * len(tp_degrees) * len(micro_batch_sizes),
+        desc=f"profiling {config.name} on {device}",
+        unit="shape",
+        disable=not progress,
+    )
+    with bar:
+        return {
+            kind: [
+                cost
+                for t in tp_degrees
+                for cost in measure_layer(
+                    config,
+                    kind,
+                    micro_batch_sizes,
+                    t,
+                    seq_len,
+                    device=device,
+                    dtype=dtype,
+                    repeats=repeats,
+                    warmup=warmup,
+                    generator=generator,
+                    tick=lambda: bar.update(1),
+                )
+            ]
+            for kind in KINDS
+        }
+
+
+def measure_profile(
+    config: ModelConfig,
+    *,
+    micro_batch_sizes: Sequence[int],
+    tp_degrees: Sequence[int],
+    seq_len: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    device_kind: str | None = None,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    threads: int | None = CPU_THREADS,
+    seed: int = 0,
+    progress: bool = True,
+) -> ModelProfile:
+    """A measured `ModelProfile`: one shard per layer kind and TP degree, shared by identical layers.
+
+    `threads` sets torch's intra-op threads for the measurement (None keeps torch's default).
+    """
+    check_device(device)
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        costs = _measure_kinds(
+            config,
+            micro_batch_sizes,
+            tp_degrees,
+            seq_len,
+            device,
+            dtype,
+            repeats,
+            warmup,
+            generator,
+            progress,
+        )
+        threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    layers = []
+    for i, name in enumerate(config.layer_names()):
+        kind = config.layer_kind(i)
+        layers.append(
+            LayerProfile(
+                name=name,
+                param_count=config.layer_param_count(i),
+                output_bytes_per_sample=analytic.output_bytes_per_sample(config, kind, seq_len, dtype),
+                costs=tuple(costs[kind]),
+            )
+        )
+    if device == "cuda":
+        kind, hardware = device_kind or cuda_device_kind(), torch.cuda.get_device_name(0)
+    else:
+        kind, hardware = device_kind or "cpu", platform.processor() or platform.machine()
+    return ModelProfile(
+        model=config,
+        device_kind=kind,
+        seq_len=seq_len,
+        dtype=dtype,
+        source=device,
+        layers=tuple(layers),
+        method={
+            "timer": "CUDA events" if device == "cuda" else "time.perf_counter",
+            "memory": (
+                "torch.cuda.memory_allocated after forward minus before; transient from max_memory_allocated"
+                if device == "cuda"
+                else "storages saved by autograd (saved_tensors_hooks), parameters excluded"
+            ),
+            "repeats": repeats,
+            "warmup": warmup,
+            "statistic": "median; spread = interquartile range",
+            "shared": "one block measured, shared by every block",
+            "hardware": hardware,
+            "threads": threads_used,
+            "torch": torch.__version__,
+            "wall_s": round(time.perf_counter() - started, 3),
+        },
+    )
