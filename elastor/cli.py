@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from costmodel import ElastorError
-from elastor.commands import ckpt, validate
+from elastor.commands import ckpt, profile, validate
 
 # Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
-COMMANDS = (validate, ckpt)
+COMMANDS = (profile, validate, ckpt)
 
 
 def build_parser() -> argparse.ArgumentParser:
