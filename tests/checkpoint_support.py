@@ -1,6 +1,12 @@
 """Checkpoint test helpers: random valid plans, a deterministic full state, and each rank's pieces of it."""
 
+import functools
+import multiprocessing
+import os
 import random
+import signal
+import socket
+import time
 import zlib
 
 import torch
@@ -68,8 +74,9 @@ def _composition(rng: random.Random, total: int, allowed, parts: int | None = No
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def full_tensor(name: str, shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
-    """A deterministic full tensor per (name, salt), with random bits in every element."""
+    """A deterministic full tensor per (name, salt), with random bits in every element (cached: read-only)."""
     generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * salt)
     return torch.randn(shape, generator=generator)
 
@@ -95,3 +102,85 @@ def rank_pieces(plan: Plan, rank: int, salt: int = 0, optimizer: bool = True) ->
 
 def expected(wanted: list[Wanted], salt: int = 0) -> list[torch.Tensor]:
     return [full_tensor(w.name, w.shape, salt)[_slices(Box(w.offsets, w.sizes))] for w in wanted]
+
+
+# ---- processes ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(
+    target, args_per_rank: list[tuple], *, context: str = "spawn", timeout: float = 120.0
+) -> list:
+    """Run `target(*args)` in one process per entry; returns their exit codes. Kills them all (by pid)
+    on timeout or when the caller is interrupted."""
+    ctx = multiprocessing.get_context(context)
+    procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_rank]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+
+
+def gloo_reshard_worker(
+    rank: int, world: int, port: int, directory: str, pairs: list[tuple[dict, dict]]
+) -> None:
+    """One rank of a real multi-process run: for each plan pair, save under A (the ranks A has, with
+    the session broadcast over their gloo group), then load under B and compare bit for bit."""
+    import torch.distributed as dist
+
+    from runtime.checkpoint import Checkpointer, load_checkpoint, wanted_for
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for i, (a_json, b_json) in enumerate(pairs):
+            a, b = Plan.from_json(a_json), Plan.from_json(b_json)
+            group = dist.new_group(list(range(a.world_size)))
+            target = f"{directory}/pair{i}"
+            if rank < a.world_size:
+                checkpointer = Checkpointer(
+                    target, a, rank, group=group, chunk_bytes=4096, piece_bytes=1 << 16
+                )
+                checkpointer.save(7, rank_pieces(a, rank, salt=i), {"step": 7, "pair": i})
+                checkpointer.wait()
+            dist.barrier()
+            if rank < b.world_size:
+                wanted = wanted_for(b, rank)
+                tensors, meta = load_checkpoint(target, wanted, model=b.model)
+                assert meta == {"step": 7, "pair": i}
+                for got, want, w in zip(tensors, expected(wanted, salt=i), wanted, strict=True):
+                    assert torch.equal(got, want), (
+                        f"pair {i}: {w.name} at {w.offsets} differs after resharding"
+                    )
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def crash_worker(rank: int, plan_json: dict, directory: str, session: str, first_step: int, log: str) -> None:
+    """Save steps first_step, first_step + 1, ... back to back until killed; rank 0 logs each commit."""
+    from runtime.checkpoint import Checkpointer
+
+    torch.set_num_threads(1)
+    plan = Plan.from_json(plan_json)
+    checkpointer = Checkpointer(
+        directory, plan, rank, keep=2, session=session, chunk_bytes=4096, piece_bytes=1 << 16
+    )
+    step = first_step
+    while True:
+        checkpointer.save(step, rank_pieces(plan, rank, salt=step), {"step": step})
+        if checkpointer.wait() is not None:
+            with open(log, "a") as f:
+                f.write(f"{step}\n")
+        step += 1
