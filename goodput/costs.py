@@ -1,0 +1,87 @@
+"""What a failure and a checkpoint cost in seconds: measured values from a JSON file, or defaults.
+
+Recovery after a failure runs detect -> plan -> restart -> load, and training then redoes the steps
+since the newest complete checkpoint. A checkpoint blocks training for `ckpt_stall_s` (the snapshot
+of each GPU's shard to host memory) and becomes durable `ckpt_background_s` later (serialisation
+and writes in the background); a failure before then loses it.
+
+The defaults, each an order of magnitude to be replaced by measurements (`--costs costs.json` with
+any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks measure them):
+- detect_s 10: the Elastor paper's control plane as issue 6 describes it (heartbeats every 5 s, a 10 s
+  timeout). A job that waits for a NCCL watchdog instead detects failures in minutes.
+- plan_s 1: the re-planning target of the Solver and Elastic issues (re-planning <= 1 s).
+- restart_s 120: relaunching processes, rendezvous and building NCCL communicators on thousands of
+  GPUs. An assumption; for scale, FlashRecovery (arXiv:2509.03047) reports restoring training on
+  4,800 devices in 150 s and TrainMover reports about 20 s on 1,024 GPUs with standby machines.
+- checkpoint state: 12 bytes per parameter (fp32 parameters and AdamW's two moments, the tensors the
+  Checkpoint issue's format stores); each pipeline holds a full copy, spread over its GPUs.
+- stall: a GPU's share over DEVICE_TO_HOST_GBPS; background: the whole state over STORAGE_GBPS
+  (each piece is written by exactly one rank); load: the state read once over STORAGE_GBPS then
+  copied to the GPUs; a load into a different plan (reshard) takes RESHARD_FACTOR times that, the
+  Checkpoint issue's upper bound for resharded loads.
+"""
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from costmodel import ElastorError, ModelConfig
+
+DETECT_S = 10.0
+PLAN_S = 1.0
+RESTART_S = 120.0
+CHECKPOINT_BYTES_PER_PARAM = 12
+# Pinned device-to-host copies reach roughly half of PCIe Gen5 x16's 64 GB/s per direction: assumption.
+DEVICE_TO_HOST_GBPS = 25.0
+# The file-system bandwidth one job gets. Assumption; the Llama 3 report's Tectonic file system
+# sustains 2 TB/s for its whole 24K-GPU cluster.
+STORAGE_GBPS = 200.0
+RESHARD_FACTOR = 1.2
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryCosts:
+    detect_s: float = DETECT_S
+    plan_s: float = PLAN_S
+    restart_s: float = RESTART_S
+    load_s: float = 0.0  # the checkpoint into the same layout
+    reshard_load_s: float = 0.0  # the checkpoint into a different plan
+    ckpt_stall_s: float = 0.0
+    ckpt_background_s: float = 0.0
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if name != "source" and (not isinstance(value, int | float) or value < 0):
+                raise ElastorError(f"Recovery cost {name} must be a non-negative number of seconds.")
+
+    @classmethod
+    def defaults_for(cls, model: ModelConfig, num_gpus: int, num_pipelines: int) -> "RecoveryCosts":
+        """The documented defaults for `model` trained on `num_gpus` GPUs in `num_pipelines` pipelines."""
+        state_bytes = model.param_count * CHECKPOINT_BYTES_PER_PARAM
+        shard_bytes = state_bytes * num_pipelines / num_gpus
+        stall = shard_bytes / (DEVICE_TO_HOST_GBPS * 1e9)
+        write = state_bytes / (STORAGE_GBPS * 1e9)
+        load = write + stall
+        return cls(
+            load_s=load,
+            reshard_load_s=load * RESHARD_FACTOR,
+            ckpt_stall_s=stall,
+            ckpt_background_s=write,
+        )
+
+    def updated(self, data: dict[str, Any], source: str) -> "RecoveryCosts":
+        """These costs with the fields present in `data` (a measured-costs JSON object) replaced."""
+        fields = set(self.__dataclass_fields__) - {"source"}
+        unknown = sorted(set(data) - fields - {"schema_version"})
+        if unknown:
+            raise ElastorError(
+                f"The costs file has unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(fields))}."
+            )
+        values = {k: float(v) for k, v in data.items() if k in fields}
+        if "load_s" in values and "reshard_load_s" not in values:
+            values["reshard_load_s"] = values["load_s"] * RESHARD_FACTOR
+        return replace(self, **values, source=source)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

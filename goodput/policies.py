@@ -1,0 +1,167 @@
+"""Recovery policies: on which GPUs the job restarts after a failure, and whether it grows back.
+
+- `elastor`: re-plan for exactly the healthy GPUs (a node with 7 of 8 healthy keeps its 7), and scale
+  back up at a checkpoint once a repair makes a faster plan available.
+- `node-drop`: the same solver on fully healthy nodes only (what Oobleck-style node-granular systems
+  do: any node with a failed GPU is dropped until it is repaired), scaling back up the same way.
+- `wait-for-repair`: stop until every GPU of the original layout is healthy again, then restart on it.
+- `spare-nodes:K`: train on all but K nodes; a node with a failure is swapped for a healthy spare and
+  training restarts on the same layout. With no healthy spare left it waits for a repair. The repaired
+  node becomes a spare. (The spares come out of the same cluster, so the comparison is at equal
+  hardware; their idle capacity shows up as degraded throughput.)
+
+Every policy restarts on the same GPUs after a `job`-scope failure (nothing is broken).
+"""
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel import ElastorError
+from goodput.plans import Oracle, PlanPoint, place, signature, signature_order
+
+POLICIES = ("elastor", "node-drop", "wait-for-repair", "spare-nodes")
+
+
+@dataclass(frozen=True, eq=False)
+class Config:
+    """What the job runs: a layout (equal layouts load a checkpoint without resharding) and its GPUs."""
+
+    layout: Hashable
+    samples_per_s: float
+    num_pipelines: int
+    in_use: np.ndarray  # nodes x GPU positions
+
+
+class Hardware:
+    """The physical cluster's state: which GPUs exist and which are down (a GPU, or its whole node)."""
+
+    def __init__(self, gpus_per_node: list[int]):
+        width = max(gpus_per_node)
+        self.exists = np.arange(width)[None, :] < np.asarray(gpus_per_node)[:, None]
+        self.gpu_down = np.zeros_like(self.exists)
+        self.node_down = np.zeros(len(gpus_per_node), dtype=bool)
+
+    @property
+    def healthy(self) -> np.ndarray:
+        return self.exists & ~self.gpu_down & ~self.node_down[:, None]
+
+    def full_nodes(self, healthy: np.ndarray) -> np.ndarray:
+        return healthy.sum(axis=1) == self.exists.sum(axis=1)
+
+
+class Policy:
+    name = "policy"
+    replans = False  # whether a change of layout costs a solver call (plan_s)
+
+    def __init__(self, hardware: Hardware, oracle: Oracle):
+        self.hw = hardware
+        self.oracle = oracle
+
+    def choose(self) -> Config | None:
+        """The configuration to (re)start on now, or None to wait for a repair."""
+        raise NotImplementedError
+
+    def better(self, current: Config) -> Config | None:
+        """A faster configuration than `current` on the healthy GPUs now, if the policy scales up."""
+        return None
+
+
+class Elastor(Policy):
+    name = "elastor"
+    replans = True
+
+    def _counts(self, healthy: np.ndarray) -> np.ndarray:
+        return healthy.sum(axis=1)
+
+    def choose(self) -> Config | None:
+        healthy = self.hw.healthy
+        counts = self._counts(healthy)
+        nodes = signature_order(counts)
+        sig = signature(counts[nodes])
+        point = self.oracle(sig) if sig else None
+        if point is None:
+            return None
+        return Config(
+            layout=sig,
+            samples_per_s=point.samples_per_s,
+            num_pipelines=point.num_pipelines,
+            in_use=place(point, nodes, healthy),
+        )
+
+    def better(self, current: Config) -> Config | None:
+        candidate = self.choose()
+        if candidate is not None and candidate.samples_per_s > current.samples_per_s:
+            return candidate
+        return None
+
+
+class NodeDrop(Elastor):
+    name = "node-drop"
+
+    def _counts(self, healthy: np.ndarray) -> np.ndarray:
+        return np.where(self.hw.full_nodes(healthy), healthy.sum(axis=1), 0)
+
+
+class WaitForRepair(Policy):
+    name = "wait-for-repair"
+
+    def __init__(self, hardware: Hardware, oracle: Oracle):
+        super().__init__(hardware, oracle)
+        self.original = Elastor(hardware, oracle).choose()
+
+    def choose(self) -> Config | None:
+        if self.original is None or not self.hw.healthy[self.original.in_use].all():
+            return None
+        return self.original
+
+
+class SpareNodes(Policy):
+    name = "spare-nodes"
+
+    def __init__(self, hardware: Hardware, oracle: Oracle, spares: int):
+        super().__init__(hardware, oracle)
+        sizes = set(hardware.exists.sum(axis=1).tolist())
+        num_nodes = len(hardware.node_down)
+        if len(sizes) != 1:
+            raise ElastorError("The spare-nodes policy needs nodes with equal GPU counts.")
+        if not 0 < spares < num_nodes:
+            raise ElastorError(f"spare-nodes needs between 1 and {num_nodes - 1} spares, not {spares}.")
+        self.name = f"spare-nodes:{spares}"
+        self.training = list(range(num_nodes - spares))
+        self.point: PlanPoint | None = oracle(signature([sizes.pop()] * len(self.training)))
+
+    def choose(self) -> Config | None:
+        if self.point is None:
+            return None
+        healthy = self.hw.healthy
+        full = self.hw.full_nodes(healthy)
+        keep = [n for n in self.training if full[n]]
+        members = set(self.training)
+        spares = [int(n) for n in np.flatnonzero(full) if n not in members]
+        need = len(self.training) - len(keep)
+        if len(spares) < need:
+            return None
+        self.training = sorted(keep + spares[:need])
+        return Config(
+            layout="spare-nodes",
+            samples_per_s=self.point.samples_per_s,
+            num_pipelines=self.point.num_pipelines,
+            in_use=place(self.point, np.asarray(self.training), healthy),
+        )
+
+
+def make_policy(spec: str, hardware: Hardware, oracle: Oracle) -> Policy:
+    """`elastor`, `node-drop`, `wait-for-repair` or `spare-nodes:K`."""
+    name, _, arg = spec.partition(":")
+    if name == "spare-nodes":
+        if not arg.isdigit():
+            raise ElastorError(f"Policy {spec!r} needs a number of spare nodes, like spare-nodes:16.")
+        return SpareNodes(hardware, oracle, int(arg))
+    simple = {"elastor": Elastor, "node-drop": NodeDrop, "wait-for-repair": WaitForRepair}
+    if name not in simple or arg:
+        raise ElastorError(
+            f"Unknown policy {spec!r}; use elastor, node-drop, wait-for-repair or spare-nodes:K."
+        )
+    return simple[name](hardware, oracle)
