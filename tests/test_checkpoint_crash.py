@@ -1,0 +1,87 @@
+"""Crash safety: SIGKILL every saving process at a random moment, many times over, in one --ckpt-dir.
+
+Each trial starts fresh processes under a new random plan (as an elastic restart would), which save
+steps back to back from where the newest checkpoint left off, and kills them all after a random
+delay: while snapshotting, writing, fsyncing, committing, updating `latest` or pruning. After every
+kill the newest complete checkpoint must exist if any commit was reported, be at least as new as the
+last reported one, verify, and load bit-identically under yet another plan; `.tmp-*` leftovers of
+killed saves are never picked, and the next trial's processes clean them up.
+
+Processes come from a fork server that has imported torch once, so a trial costs milliseconds
+rather than an interpreter start.
+"""
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import torch
+from checkpoint_support import crash_worker, expected, random_plan
+
+from runtime.checkpoint import latest_checkpoint, load_checkpoint, wanted_for
+from runtime.checkpoint.format import LATEST
+from runtime.checkpoint.store import committed
+from runtime.checkpoint.verify import verify_checkpoint
+
+TRIALS = 36
+
+
+def test_sigkill_at_random_moments_never_loses_the_newest_complete_checkpoint(tmp_path):
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "runtime.checkpoint", "checkpoint_support"])
+    rng = random.Random(2024)
+    directory = tmp_path / "ckpt"
+    log = tmp_path / "commits.log"
+    log.touch()
+    mid_save = 0
+    for trial in range(TRIALS):
+        newest = latest_checkpoint(directory)
+        first_step = 1 + (int(newest.name.split("-")[1]) if newest else 0)
+        plan = random_plan(rng, world_size=rng.randint(1, 4))
+        session = f"{rng.getrandbits(40):010x}"
+        procs = [
+            ctx.Process(
+                target=crash_worker, args=(r, plan.to_json(), str(directory), session, first_step, str(log))
+            )
+            for r in range(plan.world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            time.sleep(rng.uniform(0.0, 0.5) if trial else 0.3)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join()
+        mid_save += directory.exists() and any(
+            c.name.startswith(f".tmp-{session}") for c in directory.iterdir()
+        )
+        check_newest(directory, log, rng)
+    assert len(log.read_text().split()) >= TRIALS // 2, "most trials should commit at least one save"
+    assert mid_save >= TRIALS // 3, f"only {mid_save} kills landed in the middle of a save"
+
+
+def check_newest(directory, log, rng) -> None:
+    reported = [int(s) for s in log.read_text().split()]
+    newest = latest_checkpoint(directory)
+    if not reported:
+        return
+    assert newest is not None, "a commit was reported but no complete checkpoint is found"
+    tensors_step = int(newest.name.split("-")[1])
+    assert tensors_step >= max(reported), f"{newest.name} is older than the reported step {max(reported)}"
+    for path in committed(directory):
+        report = verify_checkpoint(path)
+        assert not report.problems, report.problems
+    if (directory / LATEST).exists():
+        assert (directory / (directory / LATEST).read_text().strip() / "manifest.json").is_file()
+    b = random_plan(rng, world_size=rng.randint(1, 6))
+    for rank in range(b.world_size):
+        wanted = wanted_for(b, rank)
+        tensors, meta = load_checkpoint(directory, wanted, model=b.model)
+        assert meta == {"step": tensors_step}
+        for got, want in zip(tensors, expected(wanted, salt=tensors_step), strict=True):
+            assert torch.equal(got, want)
