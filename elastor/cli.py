@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from costmodel import ElastorError
-from elastor.commands import ckpt, profile, validate
+from elastor.commands import ckpt, profile, train, validate
 
 # Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
-COMMANDS = (profile, validate, ckpt)
+COMMANDS = (profile, validate, train, ckpt)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,90 @@
+"""`elastor train --plan PLAN --steps N --metrics FILE`: train from a plan, one process per plan device."""
+
+import argparse
+
+from costmodel import ElastorError, Plan
+from costmodel.jsonio import read_json
+from elastor.commands import subcommand
+
+EXAMPLE = (
+    "python -m torch.distributed.run --nproc-per-node 7 --master-addr 127.0.0.1 --master-port 29511 \\\n"
+    "      -m elastor train --plan examples/plan-hetero.json --steps 20 --metrics metrics.jsonl"
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subcommand(
+        subparsers,
+        "train",
+        "Train from a plan under torchrun (one process per plan device; rank r plays the plan's r-th "
+        "device); rank 0 appends per-step metrics to --metrics and shows a progress bar.",
+        EXAMPLE,
+    )
+    p.add_argument("--plan", required=True, help="plan JSON file")
+    p.add_argument("--steps", type=int, required=True, help="the global optimizer step to reach")
+    p.add_argument("--metrics", required=True, help="metrics JSON-lines file (rank 0 appends to it)")
+    p.add_argument(
+        "--data",
+        help="uint16 token file (.bin) or UTF-8 text tokenised by bytes (default: synthetic tokens)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="initial weights and synthetic data (default: 0)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine (default: lr / 10)")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps (default: %(default)s)")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: %(default)s)"
+    )
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0, help="global-norm clip, 0 for none (default: %(default)s)"
+    )
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast with fp32 master weights (CUDA only; default fp32)"
+    )
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when torch sees one"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="a collective that waits longer fails the job (default: %(default)s)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 0 or args.warmup_steps < 0 or args.lr <= 0 or args.timeout_s <= 0:
+        raise ElastorError("--steps and --warmup-steps must be non-negative, --lr and --timeout-s positive.")
+    plan = Plan.from_json(read_json(args.plan, "plan")).validate()
+
+    import torch.distributed as dist  # torch only for the commands that train
+
+    from runtime.distributed import init_distributed
+    from runtime.loop import train
+    from runtime.metrics import MetricsWriter
+    from runtime.optim import OptimConfig
+    from runtime.trainer import Trainer
+
+    ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
+    if args.bf16 and not ctx.is_cuda:
+        raise ElastorError("--bf16 needs CUDA devices; train in fp32 on CPU.")
+    optim = OptimConfig(
+        lr=args.lr,
+        min_lr=args.lr / 10 if args.min_lr is None else args.min_lr,
+        warmup_steps=args.warmup_steps,
+        decay_steps=args.steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+    )
+    trainer = Trainer(
+        plan, ctx, optim=optim, seed=args.seed, data=args.data, bf16=args.bf16, timeout_s=args.timeout_s
+    )
+    metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
+    try:
+        train(trainer, until_step=args.steps, metrics=metrics)
+    finally:
+        trainer.close()
+        if metrics:
+            metrics.close()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,124 @@
+"""Joining the job: which device this process plays, the backend, and every process group of a plan.
+
+Rank to device (DESIGN.md): torchrun numbers ranks node by node, so global rank r plays `plan.devices[r]`
+(nodes in plan order, on a node the healthy GPUs ascending): local rank i on a node is its i-th
+healthy GPU, and the CUDA ordinal is that GPU's id. On CPU one machine plays every node, one process
+per device. A plan whose device count differs from the world size is refused on every rank before
+any rendezvous, so no rank waits for a peer that will never come.
+
+Process groups are objects held by `ProcessGroups`, never module globals. `new_group` is collective
+over the whole job, so every rank creates every group, in one order derived from the plan alone:
+first the TP group of each stage (pipelines in plan order, stages in order), then one group per
+gradient-sync bucket of `costmodel.layout.sync_buckets` (in its deterministic order); a rank set
+that occurs twice gets one group.
+
+Failure bound: a collective or point-to-point wait that never completes raises after `timeout_s`
+(the process group's timeout); a rank that dies closes its sockets, so its gloo peers fail at once,
+and torchrun stops the remaining workers as soon as one exits non-zero (it polls every 0.1 s and
+sends SIGTERM). tests/test_runtime_failure.py measures both paths.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from costmodel.cluster import parse_device
+from costmodel.errors import ElastorError
+from costmodel.layout import sync_buckets
+from costmodel.plan import Plan
+
+DEFAULT_TIMEOUT_S = 300.0  # long enough for a first NCCL step on a large model, short enough to notice a hang
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    rank: int
+    world_size: int
+    device_name: str  # the plan's device this rank plays, e.g. "n1:3"
+    device: torch.device  # where its tensors live
+    backend: str  # "gloo" or "nccl"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def check_world_size(plan: Plan, world_size: int) -> None:
+    if world_size != plan.world_size:
+        raise ElastorError(
+            f"The plan needs {plan.world_size} processes, one per device, but this job has "
+            f"{world_size}; launch torchrun with {plan.world_size} processes in total or use a plan "
+            f"for {world_size} devices."
+        )
+
+
+def init_distributed(
+    plan: Plan, *, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> DistContext:
+    """Join torchrun's job (or run alone when there is no torchrun and the plan has one device)."""
+    launched = "RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    check_world_size(plan, world_size)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ElastorError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu.")
+    name = plan.devices[rank]
+    if device == "cuda":
+        node, gpu = parse_device(name)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        on_node = [d for d in plan.devices if parse_device(d)[0] == node]
+        if launched and on_node.index(name) != local_rank:
+            raise ElastorError(
+                f"Rank {rank} is local rank {local_rank} on its node but plays {name}, the "
+                f"{on_node.index(name)}-th device of node {node}; start one torchrun per node in the "
+                "plan's node order with as many processes as the plan gives that node."
+            )
+        torch_device = torch.device("cuda", gpu)
+        torch.cuda.set_device(torch_device)
+        backend = "nccl"
+    else:
+        torch_device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if launched:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(
+        rank=rank, world_size=world_size, device_name=name, device=torch_device, backend=backend
+    )
+
+
+class ProcessGroups:
+    """Every group a plan needs, created on every rank in the same order (see the module docstring)."""
+
+    def __init__(self, plan: Plan, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.rank_of = {d: i for i, d in enumerate(plan.devices)}
+        self._groups: dict[tuple[int, ...], object] = {}
+        timeout = timedelta(seconds=timeout_s)
+        for pipe in plan.pipelines:
+            for stage in pipe.stages:
+                if stage.tp_degree > 1:
+                    self._create(stage.devices, timeout)
+        for holders in sync_buckets(plan):
+            self._create(holders, timeout)
+        # The first operation on the default group must involve every rank (NCCL's rule for batched
+        # point-to-point, which the pipelines use on it); this barrier is that operation.
+        dist.barrier()
+
+    def _create(self, devices, timeout: timedelta) -> None:
+        ranks = tuple(sorted(self.rank_of[d] for d in devices))
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+
+    def group(self, devices) -> object:
+        """The group of `devices` (any order); None for a single device, which needs no collective."""
+        ranks = tuple(sorted(self.rank_of[d] for d in devices))
+        return None if len(ranks) == 1 else self._groups[ranks]
+
+    def __len__(self) -> int:
+        return len(self._groups)

@@ -1,0 +1,68 @@
+"""The training loop around `Trainer.train_step`: metrics, progress bar, and a per-step hook.
+
+`after_step(trainer, result)` runs after every step on every rank (the checkpoint plugs in here) and
+returns the seconds it blocked training, reported as `ckpt_stall_s`. `step_time_s` is the step's
+whole wall time on rank 0, stall included, and `samples_per_s` is the global batch over it.
+"""
+
+import time
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+from runtime.metrics import MetricsWriter
+from runtime.trainer import StepResult, Trainer
+
+
+def train(
+    trainer: Trainer,
+    *,
+    until_step: int,
+    metrics: MetricsWriter | None = None,
+    after_step: Callable[[Trainer, StepResult], float] | None = None,
+    progress: bool = True,
+) -> list[StepResult]:
+    """Run steps until `trainer.step == until_step` (a global step count: steps done before count)."""
+    batch = trainer.plan.global_batch_size
+    if metrics:
+        metrics.event(
+            "start",
+            step=trainer.step,
+            world_size=trainer.plan.world_size,
+            pipelines=len(trainer.plan.pipelines),
+            model=trainer.plan.model.name,
+        )
+    bar = tqdm(
+        total=until_step,
+        initial=trainer.step,
+        unit="step",
+        desc="train",
+        disable=not progress or trainer.ctx.rank != 0,
+    )
+    results = []
+    try:
+        while trainer.step < until_step:
+            start = time.perf_counter()
+            result = trainer.train_step()
+            stall = after_step(trainer, result) if after_step else 0.0
+            elapsed = time.perf_counter() - start
+            results.append(result)
+            if metrics:
+                metrics.write(
+                    {
+                        "step": result.step,
+                        "loss": result.loss,
+                        "step_time_s": elapsed,
+                        "samples_per_s": batch / elapsed,
+                        "ckpt_stall_s": stall,
+                        "lr": result.lr,
+                        "grad_norm": result.grad_norm,
+                    }
+                )
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}")
+    finally:
+        bar.close()
+    if metrics:
+        metrics.event("done", step=trainer.step)
+    return results

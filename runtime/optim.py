@@ -1,0 +1,75 @@
+"""Optimiser settings shared by the distributed runtime and the single-process reference.
+
+AdamW (Loshchilov & Hutter 2019) from torch, fp32 state, on each rank's local shards: its update is
+element-wise, so shards updated with the full-batch gradient equal slices of the full update.
+Weight decay applies to matrices (embeddings, projections), not to norm weights (GPT-2 / Llama
+practice). The learning rate warms up linearly, then follows a half cosine down to `min_lr` at
+`decay_steps` (Loshchilov & Hutter 2017, SGDR; the schedule of nanoGPT and Llama). Gradients are
+clipped to `grad_clip` by their global norm with torch's formula, coef = clip / (norm + 1e-6), at most 1.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    decay_steps: int = 1000  # the step at which the cosine reaches min_lr (the run's --steps)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.decay_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def clip_coefficient(self, norm: float) -> float:
+        if self.grad_clip <= 0:
+            return 1.0
+        return min(1.0, self.grad_clip / (norm + CLIP_EPS))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "OptimConfig":
+        return cls(**data)
+
+
+def build_optimizer(params: dict[str, torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over named parameters: decay for matrices, none for norm weights (1-D)."""
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps
+    )
+    for p in params.values():  # AdamW's own zero state, made up front so a checkpoint at step 0 has it
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+    return optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

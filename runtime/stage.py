@@ -1,0 +1,98 @@
+"""One rank's part of the model under a plan: its stage's layers, sharded as costmodel/layout.py says.
+
+The shapes come from the layout (`device_pieces`), not from a second copy of the split rules, and the
+module checks at construction that it holds exactly the layout's pieces: the gradient sync and the
+checkpoint address the same boxes. Initial values are the layout's box of `init_tensor(seed, name)`,
+so every plan starts from the same model as the single-process reference.
+"""
+
+import torch
+from torch import nn
+
+from costmodel.layout import Box, device_pieces
+from costmodel.plan import Plan
+from runtime.model import Block, init_tensor, rotary_tables
+from runtime.tensor_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy_sum,
+)
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """Index a full tensor with this to get the box."""
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
+
+
+class StageModule(nn.Module):
+    """Layers [start, end) of `device`'s stage, its TP shard, with global parameter names.
+
+    Input: token ids [batch, seq] on a first stage, else hidden states [batch, seq, hidden]. Output:
+    this rank's vocabulary columns of the logits on a last stage, else hidden states (complete and
+    identical on every TP rank of the stage).
+    """
+
+    def __init__(self, plan: Plan, device: str, group, *, seed: int):
+        super().__init__()
+        config = plan.model
+        pi, si = plan.placement(device)
+        stage = plan.pipelines[pi].stages[si]
+        tp_degree, tp_rank = stage.tp_degree, stage.devices.index(device)
+        self.config, self.group = config, group
+        self.start, self.end = stage.layers
+        self.is_first, self.is_last = self.start == 0, self.end == config.num_layers
+        self.pieces: dict[str, tuple] = {spec.name: (spec, box) for spec, box in device_pieces(plan, device)}
+
+        vocab_piece = self.pieces.get("embed.weight") or self.pieces.get("head.output.weight")
+        rows, self.vocab_offset = (
+            (vocab_piece[1].sizes[0], vocab_piece[1].offsets[0]) if vocab_piece else (0, 0)
+        )
+        has_embedding = "embed.weight" in self.pieces
+        self.embed = (
+            VocabParallelEmbedding(rows, config.hidden_size, self.vocab_offset, group)
+            if has_embedding
+            else None
+        )
+        first_block, last_block = max(self.start, 1) - 1, min(self.end, config.num_layers - 1) - 1
+        self.blocks = nn.ModuleDict(
+            {
+                str(i): apply_tensor_parallel(Block(config, tp_degree, tp_rank), group)
+                for i in range(first_block, last_block)
+            }
+        )
+        self.head = VocabParallelHead(config, rows, group) if self.is_last else None
+        self._rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._initialise(seed)
+
+    @torch.no_grad()
+    def _initialise(self, seed: int) -> None:
+        params = dict(self.named_parameters())
+        if set(params) != set(self.pieces):
+            raise RuntimeError(
+                f"stage [{self.start}, {self.end}) builds {sorted(set(params) ^ set(self.pieces))} "
+                "differently from costmodel.layout"
+            )
+        for name, param in params.items():
+            spec, box = self.pieces[name]
+            if tuple(param.shape) != box.sizes:
+                raise RuntimeError(f"{name}: module shard {tuple(param.shape)} but layout box {box.sizes}")
+            param.copy_(init_tensor(name, spec.shape, self.config, seed)[box_slices(box)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        if len(self.blocks):
+            key = (x.shape[1], x.device)
+            if key not in self._rotary:
+                self._rotary[key] = rotary_tables(self.config, x.shape[1], device=x.device)
+            cos, sin = self._rotary[key]
+            for block in self.blocks.values():
+                x = block(x, cos, sin)
+        if self.head is not None:
+            x = self.head(x, self.embed.weight if self.head.output is None else None)
+        return x
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of a last stage's (vocabulary-sharded) logits; the same on every TP rank."""
+        return vocab_parallel_cross_entropy_sum(logits, targets, self.vocab_offset, self.group)

@@ -1,0 +1,120 @@
+"""The training state of one rank as checkpoint pieces, and back: the contract with runtime/checkpoint/.
+
+`training_state(trainer)` returns
+
+- a list of `StatePiece(name, global_shape, offsets, tensor)`: for every parameter this rank holds,
+  its shard (name = the global parameter name, e.g. "blocks.3.attn.wq.weight") and the shards of
+  its AdamW moments ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>"), all fp32, in the same box.
+  `tensor` is the live tensor, not a copy: snapshot it before training continues. Replicas (data-
+  parallel copies, a stage's TP ranks sharing a norm) appear on every rank that holds them; which
+  rank writes which bytes is the checkpoint's choice;
+- a JSON-able dict: `step` (optimizer steps done; every parameter's AdamW step count equals it),
+  `data` (`cursor`, the next sample index, and the source), `lr_schedule` (the `OptimConfig`,
+  which with `step` fixes every future learning rate), `seed`, `rng` (base64 torch RNG states and
+  Python's), `model` (the model config) and `plan` (the plan it was saved under).
+
+`restore_training_state(trainer, tensors, meta)` is the inverse on a trainer built for any plan of
+the same model: `tensors` maps each name of `training_state(trainer)`'s pieces to a tensor of that
+piece's local shape (the boxes to load are those pieces' boxes under the new plan); it copies them in,
+sets the AdamW step counts, step, cursor, schedule and RNG states. A checkpoint of another model is an
+`ElastorError`. No part of a training step draws random numbers (no dropout; data are a function of
+the sample index), so restoring RNG states is for completeness: it makes later random use resumable.
+"""
+
+import base64
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from costmodel.config import ModelConfig
+from costmodel.errors import ElastorError
+from runtime.optim import OptimConfig
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]  # where `tensor` starts in the global tensor, per dimension
+    tensor: torch.Tensor  # local shard, contiguous, on the rank's device
+
+
+def state_pieces(trainer) -> list[StatePiece]:
+    """Parameters, then their AdamW moments, in the model's parameter order."""
+    pieces = []
+    for name, param in trainer.params.items():
+        spec, box = trainer.model.pieces[name]
+        pieces.append(StatePiece(name, spec.shape, box.offsets, param.data))
+    for name, param in trainer.params.items():
+        spec, box = trainer.model.pieces[name]
+        state = trainer.optimizer.state[param]
+        for moment in MOMENTS:
+            pieces.append(StatePiece(f"optim.{moment}.{name}", spec.shape, box.offsets, state[moment]))
+    return pieces
+
+
+def training_state(trainer) -> tuple[list[StatePiece], dict[str, Any]]:
+    meta = {
+        "step": trainer.step,
+        "data": {"cursor": trainer.cursor, **trainer.source.describe()},
+        "lr_schedule": trainer.optim.to_json(),
+        "seed": trainer.seed,
+        "rng": _rng_state(trainer.ctx.device),
+        "model": trainer.plan.model.to_json(),
+        "plan": trainer.plan.to_json(),
+    }
+    return state_pieces(trainer), meta
+
+
+@torch.no_grad()
+def restore_training_state(trainer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    saved, ours = ModelConfig.from_json(meta["model"]), trainer.plan.model
+    if saved != ours:
+        raise ElastorError(
+            f"The checkpoint holds model {saved.name!r} ({saved.param_count:,} parameters), not the plan's "
+            f"model {ours.name!r} ({ours.param_count:,}); point --ckpt-dir at a checkpoint of this model."
+        )
+    for piece in state_pieces(trainer):
+        if piece.name not in tensors:
+            raise ElastorError(f"The checkpoint lacks {piece.name} at offsets {piece.offsets}.")
+        loaded = tensors[piece.name]
+        if tuple(loaded.shape) != tuple(piece.tensor.shape):
+            raise ElastorError(
+                f"The checkpoint's {piece.name} piece has shape {tuple(loaded.shape)}, "
+                f"not {tuple(piece.tensor.shape)}."
+            )
+        piece.tensor.copy_(loaded)
+    for param in trainer.params.values():
+        trainer.optimizer.state[param]["step"].fill_(float(meta["step"]))
+    trainer.step, trainer.cursor = int(meta["step"]), int(meta["data"]["cursor"])
+    trainer.optim = OptimConfig.from_json(meta["lr_schedule"])
+    _set_rng_state(meta["rng"], trainer.ctx.device)
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {
+        "torch_cpu": _encode(torch.get_rng_state()),
+        "torch_cuda": _encode(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None,
+        "python": [version, list(internal), gauss],
+    }
+
+
+def _set_rng_state(rng: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(_decode(rng["torch_cpu"]))
+    if device.type == "cuda" and rng.get("torch_cuda"):
+        torch.cuda.set_rng_state(_decode(rng["torch_cuda"]), device)
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,123 @@
+"""Training from any valid plan: one `Trainer` per rank, built by an ordered list of steps.
+
+Construction, in order: the process groups of the plan (every rank, same order), this rank's stage
+module (its layers, its TP shard, initialised from the seed), the pipeline schedule, the gradient
+sync, AdamW. One optimizer step (`train_step`):
+
+1. run the pipeline's 1F1B schedule over its micro-batches of samples [cursor, cursor + B);
+2. all-reduce every gradient segment among exactly its holders (`GradSync`);
+3. one all-reduce over the job of [owned squared gradient, loss share]: the global norm and loss;
+4. clip, set the scheduled learning rate, AdamW step; advance step and cursor.
+
+Everything that defines the training state lives on the trainer (`model`, `optimizer`, `step`,
+`cursor`, `optim`, `seed`); runtime/state.py turns it into checkpoint pieces and back.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from costmodel.plan import Plan
+from runtime.data import Prefetcher, open_source, pipeline_samples
+from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
+from runtime.grad_sync import GradSync, owned_regions, owned_square_sum
+from runtime.optim import OptimConfig, build_optimizer, set_lr
+from runtime.pipeline import PipelineSchedule
+from runtime.stage import StageModule
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    step: int  # steps completed, 1-based: the first optimizer step is step 1
+    loss: float  # mean token cross-entropy over the global batch, before this step's update
+    grad_norm: float  # global gradient norm before clipping
+    lr: float
+    step_time_s: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        plan: Plan,
+        ctx: DistContext,
+        *,
+        optim: OptimConfig,
+        seed: int = 0,
+        data: str | None = None,
+        bf16: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.plan, self.ctx, self.optim, self.seed = plan, ctx, optim, seed
+        self.groups = ProcessGroups(plan, timeout_s=timeout_s)
+        device = ctx.device_name
+        pi, si = plan.placement(device)
+        stage = plan.pipelines[pi].stages[si]
+        self.pipeline_index, self.stage_index = pi, si
+        self.tp_rank = stage.devices.index(device)
+
+        self.model = StageModule(plan, device, self.groups.group(stage.devices), seed=seed).to(ctx.device)
+        self.params = dict(self.model.named_parameters())
+        for p in self.params.values():  # every parameter has a gradient buffer from the start
+            p.grad = torch.zeros_like(p)
+        self.schedule = PipelineSchedule(
+            plan,
+            device,
+            self.model,
+            torch_device=ctx.device,
+            global_tokens=plan.global_batch_size * plan.seq_len,
+            autocast_dtype=torch.bfloat16 if bf16 else None,
+        )
+        self.sync = GradSync(plan, device, self.params, self.groups)
+        self.norm_regions = owned_regions(plan, device)
+        self.optimizer = build_optimizer(self.params, optim)
+        self.step, self.cursor = 0, 0
+
+        self.source = open_source(data, plan.model.vocab_size, plan.seq_len, seed)
+        self.reads_data = self.model.is_first or self.model.is_last
+        offset, count = pipeline_samples(plan, pi)
+        self.prefetcher = (
+            Prefetcher(self.source, offset, count, plan.global_batch_size, pin=ctx.is_cuda)
+            if self.reads_data
+            else None
+        )
+        # The loss is known on the last stage; its first TP rank reports it, once per pipeline.
+        self.reports_loss = self.model.is_last and self.tp_rank == 0
+
+    def _micro_batches(self) -> list[torch.Tensor | None]:
+        m = self.plan.pipelines[self.pipeline_index].num_microbatches
+        if self.prefetcher is None:
+            return [None] * m
+        batch = self.prefetcher.get(self.cursor).to(self.ctx.device, non_blocking=True)
+        return list(batch.split(self.plan.micro_batch_size))
+
+    def train_step(self) -> StepResult:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.schedule.run(self._micro_batches())
+        self.sync.all_reduce()
+        totals = torch.stack(
+            [
+                owned_square_sum(self.params, self.norm_regions),
+                loss.float() if self.reports_loss else torch.zeros((), device=self.ctx.device),
+            ]
+        )
+        dist.all_reduce(totals)
+        norm, global_loss = totals[0].sqrt().item(), totals[1].item()
+        coef = self.optim.clip_coefficient(norm)
+        if coef < 1.0:
+            for p in self.params.values():
+                p.grad.mul_(coef)
+        lr = self.optim.lr_at(self.step)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.step += 1
+        self.cursor += self.plan.global_batch_size
+        return StepResult(
+            step=self.step, loss=global_loss, grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start
+        )
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()

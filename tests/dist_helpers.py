@@ -1,0 +1,247 @@
+"""Shared helpers for the multi-process runtime tests: plans, torchrun launches, and the worker they run.
+
+Every launch binds to 127.0.0.1 on a free port, runs in its own session, and is killed (its whole
+process group, by id) if it outlives its timeout. Run as a script under torchrun, this file is the
+worker: it trains a plan with the runtime's API, can fail on purpose, and saves what the tests check.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve()
+
+# The parity runs' optimiser: warm-up then cosine inside 10 steps, clipping active in early steps.
+# Adam divides each element's update by its own gradient scale, so float rounding in an element with
+# a tiny gradient becomes lr x (its relative error): the tolerance of 1e-5 holds at this lr.
+PARITY_OPTIM = {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 3, "decay_steps": 10, "grad_clip": 1.0}
+
+
+@dataclass(frozen=True)
+class Launch:
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    ended_at: float  # wall clock (time.time()) when the command had exited
+    stragglers: bool  # processes of its group outlived it and had to be killed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The torchrun command line for `nproc` processes on this machine (args: script or -m module ...)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]
+
+
+def run_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on the loopback interface only
+    return env
+
+
+def launch(command: list[str], *, timeout: float) -> Launch:
+    """Run `command` in its own session; kill its process group if it outlives `timeout`."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    stragglers = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = "", f"timed out after {timeout} s"
+    finally:
+        ended_at = time.time()
+        if proc.poll() is None or _group_alive(proc.pid):
+            stragglers = True
+            _kill_group(proc.pid)
+            proc.communicate()
+    return Launch(proc.returncode, out, err, time.monotonic() - start, ended_at, stragglers)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def plan_json(
+    model: dict[str, Any],
+    pipelines: list[tuple[int, list[tuple[tuple[int, int], list[str]]]]],
+    *,
+    micro_batch_size: int = 1,
+    seq_len: int = 32,
+) -> dict[str, Any]:
+    """A plan from [(num_microbatches, [((start, end), [devices]), ...]), ...]."""
+    return {
+        "schema_version": 1,
+        "model": model,
+        "global_batch_size": sum(m for m, _ in pipelines) * micro_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "pipelines": [
+            {
+                "num_microbatches": m,
+                "stages": [{"layers": list(layers), "devices": devices} for layers, devices in stages],
+            }
+            for m, stages in pipelines
+        ],
+    }
+
+
+def run_worker(plan: dict[str, Any], out: Path, *, steps: int, timeout: float = 240, extra=()) -> Launch:
+    """Train `plan` for `steps` steps under torchrun with this file as the worker."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    nproc = sum(len(st["devices"]) for p in plan["pipelines"] for st in p["stages"])
+    args = [str(WORKER), "--plan", str(plan_path), "--steps", str(steps), "--out", str(out), *extra]
+    return launch(torchrun(nproc, *args), timeout=timeout)
+
+
+def assemble(out: Path) -> dict[str, Any]:
+    """Full tensors (parameters, and AdamW moments when saved) from every rank's pieces in `out`;
+    replicas must agree bit for bit and the pieces must cover every element."""
+    import torch
+
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("rank*.pt")):
+        for name, (shape, offsets, tensor) in torch.load(path).items():
+            if name not in full:
+                full[name] = torch.zeros(shape)
+                seen[name] = torch.zeros(shape, dtype=torch.bool)
+            where = tuple(slice(o, o + s) for o, s in zip(offsets, tensor.shape, strict=True))
+            overlap = seen[name][where]
+            assert torch.equal(full[name][where][overlap], tensor[overlap]), f"replicas of {name} differ"
+            full[name][where] = tensor
+            seen[name][where] = True
+    for name, mask in seen.items():
+        assert mask.all(), f"{name} is not fully covered by the ranks' pieces"
+    return full
+
+
+# ---- the worker ---------------------------------------------------------------------------------
+def _worker(argv: list[str]) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    from costmodel import Plan
+    from runtime.distributed import init_distributed
+    from runtime.loop import train
+    from runtime.optim import OptimConfig
+    from runtime.state import restore_training_state, state_pieces
+    from runtime.trainer import Trainer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--plan", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fail", choices=("exception", "sigkill", "hang"))
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--fail-step", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--save-at", type=int, default=-1, help="save the full state after this step")
+    p.add_argument("--resume-from", help="a --save-at state directory, saved under any plan")
+    args = p.parse_args(argv)
+
+    marks = {"imported": time.time()}
+    plan = Plan.from_json(json.loads(Path(args.plan).read_text())).validate()
+    ctx = init_distributed(plan, timeout_s=args.timeout_s)
+    marks["joined"] = time.time()
+    trainer = Trainer(plan, ctx, optim=OptimConfig(**PARITY_OPTIM), seed=0, timeout_s=args.timeout_s)
+    marks["built"] = time.time()
+    out = Path(args.out)
+
+    if args.resume_from:
+        resume = Path(args.resume_from)
+        full = assemble(resume)
+        local = {}
+        for piece in state_pieces(trainer):
+            where = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape, strict=True))
+            local[piece.name] = full[piece.name][where]
+        restore_training_state(trainer, local, json.loads((resume / "meta.json").read_text()))
+
+    def after_step(t, result) -> float:
+        if args.fail and ctx.rank == args.fail_rank and result.step == args.fail_step:
+            (out / "failed_at").write_text(str(time.time()))
+            if args.fail == "exception":
+                raise RuntimeError(f"injected failure on rank {ctx.rank}")
+            if args.fail == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+        if result.step == args.save_at:
+            _save(t, out / "state", ctx.rank, with_optim=True)
+        return 0.0
+
+    results = train(trainer, until_step=args.steps, after_step=after_step, progress=False)
+    marks["trained"] = time.time()
+    trainer.close()
+    _save(trainer, out, ctx.rank, with_optim=False)
+    if ctx.rank == 0:
+        (out / "losses.json").write_text(json.dumps([r.loss for r in results]))
+        (out / "timing.json").write_text(json.dumps(marks))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def _save(trainer, where: Path, rank: int, *, with_optim: bool) -> None:
+    """This rank's pieces (and on rank 0 the JSON state) as the checkpoint contract gives them."""
+    import torch
+
+    from runtime.state import training_state
+
+    pieces, meta = training_state(trainer)
+    where.mkdir(parents=True, exist_ok=True)
+    keep = {p.name: (p.global_shape, p.offsets, p.tensor.cpu().clone()) for p in pieces}
+    if not with_optim:
+        keep = {name: v for name, v in keep.items() if not name.startswith("optim.")}
+    torch.save(keep, where / f"rank{rank}.pt")
+    if rank == 0:
+        (where / "meta.json").write_text(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))
