@@ -104,6 +104,19 @@ def expected(wanted: list[Wanted], salt: int = 0) -> list[torch.Tensor]:
     return [full_tensor(w.name, w.shape, salt)[_slices(Box(w.offsets, w.sizes))] for w in wanted]
 
 
+def save_in_process(directory, plan: Plan, step: int, salt: int, **options) -> None:
+    """Save under `plan`, simulating its ranks in this process (each saves from its own thread)."""
+    from runtime.checkpoint import Checkpointer
+
+    checkpointers = [
+        Checkpointer(directory, plan, r, session="cafe", **options) for r in range(plan.world_size)
+    ]
+    for rank, checkpointer in enumerate(checkpointers):
+        checkpointer.save(step, rank_pieces(plan, rank, salt=salt), {"step": step, "salt": salt})
+    for checkpointer in checkpointers:
+        checkpointer.wait()
+
+
 # ---- processes ----------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

@@ -17,26 +17,16 @@ from checkpoint_support import (
     free_port,
     gloo_reshard_worker,
     random_plan,
-    rank_pieces,
     run_processes,
+    save_in_process,
 )
 
 from costmodel import PRESETS, Pipeline, Plan, Stage
-from runtime.checkpoint import Checkpointer, CheckpointReader, load_checkpoint, wanted_for
+from runtime.checkpoint import CheckpointReader, load_checkpoint, wanted_for
 from runtime.checkpoint.assign import assign_writers, holdings
 
 PAIRS = 60
 KINDS_FP32 = {"": 4, "optim.exp_avg.": 4, "optim.exp_avg_sq.": 4}
-
-
-def save_in_process(directory, plan: Plan, step: int, salt: int, **options) -> None:
-    checkpointers = [
-        Checkpointer(directory, plan, r, session="cafe", **options) for r in range(plan.world_size)
-    ]
-    for rank, checkpointer in enumerate(checkpointers):
-        checkpointer.save(step, rank_pieces(plan, rank, salt=salt), {"step": step, "salt": salt})
-    for checkpointer in checkpointers:
-        checkpointer.wait()
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 2])

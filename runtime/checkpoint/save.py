@@ -296,6 +296,13 @@ class _SaveJob:
                         f"The ranks disagree on the dtype or shape of {e['name']!r}; nothing was committed."
                     )
                 t["pieces"].append(e["piece"])
+        kinds = {kind_of(name) for name in tensors}
+        absent = [k + n for n in owner._params for k in sorted(kinds) if k + n not in tensors]
+        if absent:
+            raise CheckpointError(
+                f"No rank saved {absent[0]!r}{f' and {len(absent) - 1} more' if len(absent) > 1 else ''}; "
+                "every rank must save the same kinds of state, so nothing was committed."
+            )
         entries = []
         for name in sorted(tensors, key=_state_order(owner)):
             entry = TensorEntry.from_json(tensors[name])
