@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from costmodel import ElastorError
-from elastor.commands import ckpt, profile, train, validate
+from elastor.commands import ckpt, profile, simulate, train, validate
 
 # Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
-COMMANDS = (profile, validate, train, ckpt)
+COMMANDS = (profile, validate, train, ckpt, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,8 @@ Oracle = Callable[[Signature], PlanPoint | None]
 
 def signature(counts: Iterable[int]) -> Signature:
     """Run-length form of the per-node healthy counts, largest first; nodes with none are left out."""
-    values, reps = np.unique(np.asarray([c for c in counts if c > 0], dtype=np.int64), return_counts=True)
+    array = np.fromiter(counts, dtype=np.int64) if not isinstance(counts, np.ndarray) else counts
+    values, reps = np.unique(array[array > 0], return_counts=True)
     return tuple((int(v), int(r)) for v, r in zip(values[::-1], reps[::-1], strict=True))
 
 

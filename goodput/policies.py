@@ -129,26 +129,26 @@ class SpareNodes(Policy):
         if not 0 < spares < num_nodes:
             raise ElastorError(f"spare-nodes needs between 1 and {num_nodes - 1} spares, not {spares}.")
         self.name = f"spare-nodes:{spares}"
-        self.training = list(range(num_nodes - spares))
-        self.point: PlanPoint | None = oracle(signature([sizes.pop()] * len(self.training)))
+        self.training = np.arange(num_nodes) < num_nodes - spares  # the nodes that train
+        self.point: PlanPoint | None = oracle(signature([sizes.pop()] * (num_nodes - spares)))
 
     def choose(self) -> Config | None:
         if self.point is None:
             return None
         healthy = self.hw.healthy
         full = self.hw.full_nodes(healthy)
-        keep = [n for n in self.training if full[n]]
-        members = set(self.training)
-        spares = [int(n) for n in np.flatnonzero(full) if n not in members]
-        need = len(self.training) - len(keep)
+        keep = full & self.training
+        spares = np.flatnonzero(full & ~self.training)
+        need = int(self.training.sum() - keep.sum())
         if len(spares) < need:
             return None
-        self.training = sorted(keep + spares[:need])
+        keep[spares[:need]] = True
+        self.training = keep
         return Config(
             layout="spare-nodes",
             samples_per_s=self.point.samples_per_s,
             num_pipelines=self.point.num_pipelines,
-            in_use=place(self.point, np.asarray(self.training), healthy),
+            in_use=place(self.point, np.flatnonzero(keep), healthy),
         )
 
 
