@@ -16,9 +16,11 @@
 `restore_training_state(trainer, tensors, meta)` is the inverse on a trainer built for any plan of
 the same model: `tensors` maps each name of `training_state(trainer)`'s pieces to a tensor of that
 piece's local shape (the boxes to load are those pieces' boxes under the new plan); it copies them in,
-sets the AdamW step counts, step, cursor, schedule and RNG states. A checkpoint of another model is an
-`ElastorError`. No part of a training step draws random numbers (no dropout; data are a function of
-the sample index), so restoring RNG states is for completeness: it makes later random use resumable.
+sets the AdamW step counts, step, cursor, schedule, seed, data stream and RNG states (a synthetic
+stream resumes with its saved seed; a file stream with the trainer's file, which must be one). A
+checkpoint of another model is an `ElastorError`. No part of a training step draws random numbers
+(no dropout; data are a function of the sample index), so restoring RNG states is for completeness:
+it makes later random use resumable.
 """
 
 import base64
@@ -30,6 +32,7 @@ import torch
 
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
+from runtime.data import SyntheticTokens
 from runtime.optim import OptimConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -92,7 +95,21 @@ def restore_training_state(trainer, tensors: dict[str, torch.Tensor], meta: dict
         trainer.optimizer.state[param]["step"].fill_(float(meta["step"]))
     trainer.step, trainer.cursor = int(meta["step"]), int(meta["data"]["cursor"])
     trainer.optim = OptimConfig.from_json(meta["lr_schedule"])
+    trainer.seed = int(meta["seed"])
+    _restore_source(trainer, meta["data"])
     _set_rng_state(meta["rng"], trainer.ctx.device)
+
+
+def _restore_source(trainer, data: dict[str, Any]) -> None:
+    """The synthetic stream continues from its saved seed; a file stream continues in the trainer's
+    file (paths differ between machines), which must be a file too."""
+    if data["kind"] == "synthetic":
+        config = trainer.plan.model
+        trainer.use_source(SyntheticTokens(config.vocab_size, trainer.plan.seq_len, int(data["seed"])))
+    elif trainer.source.describe()["kind"] != data["kind"]:
+        raise ElastorError(
+            f"The checkpoint was trained on the data file {data['path']}; pass it (or a copy) with --data."
+        )
 
 
 def _encode(state: torch.Tensor) -> str:

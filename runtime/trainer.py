@@ -45,7 +45,7 @@ class Trainer:
         *,
         optim: OptimConfig,
         seed: int = 0,
-        data: str | None = None,
+        source=None,
         bf16: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
@@ -74,16 +74,22 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, optim)
         self.step, self.cursor = 0, 0
 
-        self.source = open_source(data, plan.model.vocab_size, plan.seq_len, seed)
-        self.reads_data = self.model.is_first or self.model.is_last
-        offset, count = pipeline_samples(plan, pi)
-        self.prefetcher = (
-            Prefetcher(self.source, offset, count, plan.global_batch_size, pin=ctx.is_cuda)
-            if self.reads_data
-            else None
+        # The sample stream (runtime/data.py); synthetic tokens from the seed unless one is given.
+        self.prefetcher: Prefetcher | None = None
+        self.use_source(
+            open_source(None, plan.model.vocab_size, plan.seq_len, seed) if source is None else source
         )
         # The loss is known on the last stage; its first TP rank reports it, once per pipeline.
         self.reports_loss = self.model.is_last and self.tp_rank == 0
+
+    def use_source(self, source) -> None:
+        """Read samples from `source` from now on (first and last stages prefetch them)."""
+        self.close()
+        self.source = source
+        if self.model.is_first or self.model.is_last:
+            offset, count = pipeline_samples(self.plan, self.pipeline_index)
+            stride = self.plan.global_batch_size
+            self.prefetcher = Prefetcher(source, offset, count, stride, pin=self.ctx.is_cuda)
 
     def _micro_batches(self) -> list[torch.Tensor | None]:
         m = self.plan.pipelines[self.pipeline_index].num_microbatches
@@ -121,3 +127,4 @@ class Trainer:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+            self.prefetcher = None

@@ -59,12 +59,14 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist  # torch only for the commands that train
 
+    from runtime.data import open_source
     from runtime.distributed import init_distributed
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
     from runtime.optim import OptimConfig
     from runtime.trainer import Trainer
 
+    source = open_source(args.data, plan.model.vocab_size, plan.seq_len, args.seed)  # errors before joining
     ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
     if args.bf16 and not ctx.is_cuda:
         raise ElastorError("--bf16 needs CUDA devices; train in fp32 on CPU.")
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         grad_clip=args.grad_clip,
     )
     trainer = Trainer(
-        plan, ctx, optim=optim, seed=args.seed, data=args.data, bf16=args.bf16, timeout_s=args.timeout_s
+        plan, ctx, optim=optim, seed=args.seed, source=source, bf16=args.bf16, timeout_s=args.timeout_s
     )
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
     try:

@@ -1,0 +1,104 @@
+"""`elastor train` as users run it: under torchrun, with a data file, writing the metrics of DESIGN.md."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_helpers import REPO, launch, plan_json, run_env, torchrun
+
+from costmodel import PRESETS, ModelConfig
+from runtime.optim import OptimConfig
+from runtime.reference import train_reference
+
+TINY = PRESETS["gpt-tiny"].to_json()
+# A TP-2 replica beside a single-device one, 3 and 1 micro-batches of 2.
+PLAN = plan_json(
+    TINY, [(3, [((0, 6), ["n0:0", "n0:1"])]), (1, [((0, 6), ["n1:0"])])], micro_batch_size=2, seq_len=32
+)
+STEPS = 6
+STEP_FIELDS = {"step", "loss", "step_time_s", "samples_per_s", "ckpt_stall_s"}
+
+
+def elastor(*args: str) -> subprocess.CompletedProcess:
+    """`python -m elastor ARGS` in one process, without torchrun."""
+    return subprocess.run(
+        [sys.executable, "-m", "elastor", *args],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def write_plan(tmp_path, plan) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def test_train_under_torchrun_writes_metrics_and_matches_the_reference(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("Élastor trains through failures. " * 200 + "A node with 7 of 8 GPUs counts.\n" * 50)
+    metrics = tmp_path / "m.jsonl"
+    args = ["-m", "elastor", "train", "--plan", write_plan(tmp_path, PLAN), "--steps", str(STEPS)]
+    args += ["--metrics", str(metrics), "--data", str(text), "--warmup-steps", "2", "--lr", "3e-4"]
+    result = launch(torchrun(3, *args), timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[-1]["event"] == "done"
+    assert all(isinstance(r["time_s"], float) for r in (records[0], records[-1]))
+    steps = records[1:-1]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for r in steps:
+        assert set(r) >= STEP_FIELDS
+        assert r["step_time_s"] > 0 and r["samples_per_s"] > 0 and r["ckpt_stall_s"] == 0.0
+
+    torch.set_num_threads(1)
+    optim = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=2, decay_steps=STEPS)
+    want, _ = train_reference(
+        ModelConfig.from_json(TINY),
+        global_batch_size=PLAN["global_batch_size"],
+        seq_len=PLAN["seq_len"],
+        steps=STEPS,
+        optim=optim,
+        data=str(text),
+    )
+    for r, w in zip(steps, want, strict=True):
+        assert abs(r["loss"] - w) <= 1e-5 * w
+
+
+def test_world_size_mismatch_is_one_sentence_on_every_rank(tmp_path):
+    args = ["-m", "elastor", "train", "--plan", write_plan(tmp_path, PLAN), "--steps", "1"]
+    result = launch(torchrun(2, *args, "--metrics", str(tmp_path / "m.jsonl")), timeout=120)
+    assert result.returncode != 0
+    sentence = "elastor: error: The plan needs 3 processes, one per device, but this job has 2;"
+    assert result.stderr.count(sentence) == 2, result.stderr[-3000:]
+    assert result.wall_s < 60
+
+
+@pytest.mark.parametrize(
+    ("extra", "sentence"),
+    [
+        (("--bf16",), "--bf16 needs CUDA devices"),
+        (("--data", "missing.bin"), "The data file missing.bin does not exist."),
+        (("--steps", "-1"), "--steps and --warmup-steps must be non-negative"),
+    ],
+)
+def test_user_errors_exit_2_with_one_sentence(tmp_path, extra, sentence):
+    one_device = plan_json(TINY, [(2, [((0, 6), ["n0:0"])])])
+    args = ["train", "--plan", write_plan(tmp_path, one_device), "--metrics", str(tmp_path / "m.jsonl")]
+    result = elastor(*args, "--steps", "1", *extra)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [next(line for line in result.stderr.splitlines())]
+    assert sentence in result.stderr
+
+
+def test_a_plan_for_more_devices_without_torchrun_is_refused(tmp_path):
+    result = elastor("train", "--plan", write_plan(tmp_path, PLAN), "--steps", "1", "--metrics", "m.jsonl")
+    assert result.returncode == 2
+    assert "The plan needs 3 processes, one per device, but this job has 1;" in result.stderr

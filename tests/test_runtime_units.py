@@ -1,0 +1,176 @@
+"""Single-process tests of the runtime's parts: data stream, schedule, ownership, stage, training state."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import plan_json
+from test_runtime_parity import PLANS
+
+from costmodel import PRESETS, ElastorError, ModelConfig, Plan
+from costmodel.layout import contributes, device_pieces, sync_buckets
+from runtime.data import Prefetcher, SyntheticTokens, TokenFile, fetch, pipeline_samples
+from runtime.distributed import init_distributed
+from runtime.grad_sync import owned_regions
+from runtime.model import build_model
+from runtime.optim import OptimConfig
+from runtime.stage import StageModule
+from runtime.state import restore_training_state, training_state
+from runtime.trainer import Trainer
+
+TINY = PRESETS["gpt-tiny"].to_json()
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def test_synthetic_samples_depend_on_seed_and_index_only():
+    a, b = SyntheticTokens(960, 32, seed=1), SyntheticTokens(960, 32, seed=1)
+    assert np.array_equal(a.sample(7), b.sample(7))
+    assert not np.array_equal(a.sample(7), a.sample(8))
+    assert not np.array_equal(a.sample(7), SyntheticTokens(960, 32, seed=2).sample(7))
+    s = a.sample(3)
+    assert s.shape == (33,) and s.min() >= 0 and s.max() < 960
+    assert set(np.diff(s) % 960) <= {1, 2, 3}  # the learnable random walk
+
+
+def test_pipelines_take_consecutive_sample_ranges_in_plan_order():
+    plan = Plan.from_json(PLANS["hetero-5-3"])
+    assert [pipeline_samples(plan, p) for p in range(2)] == [(0, 5), (5, 3)]
+
+
+def test_bin_file_is_cut_into_windows(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    (tmp_path / "t.bin").write_bytes(tokens.tobytes())
+    source = TokenFile(str(tmp_path / "t.bin"), vocab_size=960, seq_len=9)
+    assert source.windows == 11
+    assert source.sample(2).tolist() == list(range(18, 28))
+    assert source.sample(13).tolist() == source.sample(2).tolist()  # wraps around
+
+
+def test_text_file_is_tokenised_by_bytes(tmp_path):
+    (tmp_path / "t.txt").write_text("héllo wörld " * 10)
+    source = TokenFile(str(tmp_path / "t.txt"), vocab_size=960, seq_len=8)
+    assert bytes(source.sample(0).astype(np.uint8).tolist()) == "héllo wörld ".encode()[:9]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "vocab", "sentence"),
+    [
+        ("bad.txt", b"\xff\xfe\x00abc" * 10, 960, "neither a .bin file of uint16 tokens nor UTF-8 text"),
+        ("short.txt", b"abc", 960, "fewer than seq_len + 1 = 9"),
+        ("small.txt", b"abcdefghijkl" * 10, 128, "tokenised by bytes (256 tokens)"),
+    ],
+)
+def test_bad_data_files_are_one_sentence(tmp_path, name, content, vocab, sentence):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ElastorError, match=r"\.$") as e:
+        TokenFile(str(tmp_path / name), vocab_size=vocab, seq_len=8)
+    assert sentence in str(e.value)
+
+
+def test_a_token_outside_the_vocabulary_is_refused(tmp_path):
+    (tmp_path / "t.bin").write_bytes(np.full(50, 999, dtype=np.uint16).tobytes())
+    with pytest.raises(ElastorError, match="outside the model's vocabulary of 960"):
+        TokenFile(str(tmp_path / "t.bin"), vocab_size=960, seq_len=8).sample(0)
+
+
+def test_prefetcher_serves_steps_in_order_and_restarts_at_a_new_cursor():
+    source = SyntheticTokens(960, 16, seed=0)
+    prefetcher = Prefetcher(source, offset=2, count=3, stride=8)
+    try:
+        for cursor in (0, 8, 16, 40, 48):
+            assert torch.equal(prefetcher.get(cursor), fetch(source, cursor + 2, 3))
+    finally:
+        prefetcher.close()
+
+
+# ---- optimiser ------------------------------------------------------------------------------------
+def test_learning_rate_warms_up_then_decays_by_a_cosine():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
+    assert [optim.lr_at(k) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert optim.lr_at(4) == pytest.approx(1.0)
+    assert optim.lr_at(9) == pytest.approx(0.55)
+    assert optim.lr_at(14) == pytest.approx(0.1) and optim.lr_at(100) == pytest.approx(0.1)
+    assert optim.clip_coefficient(0.5) == 1.0 and optim.clip_coefficient(4.0) == pytest.approx(0.25)
+
+
+# ---- ownership and contributions ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PLANS))
+def test_every_gradient_element_is_owned_once_for_the_norm(name):
+    plan = Plan.from_json(PLANS[name])
+    counts: dict[str, torch.Tensor] = {}
+    for device in plan.devices:
+        boxes = {spec.name: (spec, box) for spec, box in device_pieces(plan, device)}
+        for pname, runs in owned_regions(plan, device).items():
+            spec, box = boxes[pname]
+            counts.setdefault(pname, torch.zeros(spec.shape, dtype=torch.int32))
+            region = counts[pname][
+                tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
+            ]
+            for dim, start, stop in runs:
+                (region if dim < 0 else region.narrow(dim, start, stop - start)).add_(1)
+    assert all(bool((c == 1).all()) for c in counts.values())
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_stage_contributes_once_to_each_segment(name):
+    plan = Plan.from_json(PLANS[name])
+    for holders in sync_buckets(plan):
+        stages = [plan.placement(d) for d in holders if contributes(plan, d, holders)]
+        assert len(stages) == len(set(stages)) == len({plan.placement(d) for d in holders}) >= 2
+
+
+# ---- the stage module and the training state (one process, no torchrun) -------------------------------
+def test_a_whole_model_stage_is_the_reference_model():
+    plan = Plan.from_json(plan_json(TINY, [(1, [((0, 6), ["n0:0"])])]))
+    stage, model = StageModule(plan, "n0:0", None, seed=3), build_model(plan.model, seed=3)
+    assert {n: p.shape for n, p in stage.named_parameters()} == {
+        n: p.shape for n, p in model.named_parameters()
+    }
+    tokens = torch.randint(0, 960, (2, 16))
+    assert torch.equal(stage(tokens), model(tokens))
+
+
+@pytest.fixture
+def single_process():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_training_state_round_trip_continues_identically(single_process):
+    torch.set_num_threads(1)
+    plan = Plan.from_json(plan_json(TINY, [(2, [((0, 6), ["n0:0"])])], micro_batch_size=2, seq_len=16))
+    ctx = init_distributed(plan)
+    optim = OptimConfig(lr=1e-3, warmup_steps=2, decay_steps=6)
+    first = Trainer(plan, ctx, optim=optim, seed=0)
+    for _ in range(3):
+        first.train_step()
+    pieces, meta = training_state(first)
+    meta = json.loads(json.dumps(meta))  # JSON-able, and what a checkpoint gives back
+    saved = {p.name: p.tensor.clone() for p in pieces}
+    assert {p.name for p in pieces} >= {
+        "embed.weight",
+        "optim.exp_avg.embed.weight",
+        "optim.exp_avg_sq.head.norm.weight",
+    }
+    assert meta["step"] == 3 and meta["data"]["cursor"] == 12 and meta["model"]["name"] == "gpt-tiny"
+
+    second = Trainer(plan, ctx, optim=OptimConfig(), seed=99)  # other weights and schedule, all replaced
+    restore_training_state(second, saved, meta)
+    assert (second.step, second.cursor, second.optim) == (3, 12, optim)
+    for _ in range(3):
+        a, b = first.train_step(), second.train_step()
+        assert a.loss == b.loss and a.lr == b.lr
+    for name, p in first.params.items():
+        assert torch.equal(p, second.params[name]), name
+    first.close()
+    second.close()
+
+    other = json.loads(json.dumps(meta))
+    other["model"] = ModelConfig(
+        **{**PRESETS["gpt-tiny"].__dict__, "name": "gpt-other", "num_blocks": 2}
+    ).to_json()
+    with pytest.raises(ElastorError, match="holds model 'gpt-other'"):
+        restore_training_state(second, saved, other)
