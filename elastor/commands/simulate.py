@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "simulate",
         "Simulate weeks of training under GPU and node failures: goodput per recovery policy, lost "
-        "work by cause with 95% confidence intervals, and the best checkpoint interval.",
+        "work by cause with confidence intervals, and the best checkpoint interval.",
         "elastor simulate --profile p70.json --cluster 2048x8 --global-batch-size 4096 --days 30 "
         "--runs 5 --out-dir sim/",
     )
