@@ -92,11 +92,14 @@ class Checkpointer:
         self.session = session
         self._params = {name: spec for name, (spec, _) in holdings(plan).items()}
         self._saves = 0
+        self._assignments: dict[tuple, list[WriteItem]] = {}
         self._buffer: torch.Tensor | None = None
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None  # the newest checkpoint this rank 0 committed
+        # Seconds from save() to this rank's part being durable (rank 0: to the commit) of the last save.
+        self.last_save_s: float | None = None
 
     # ---- public API -----------------------------------------------------------------------------
     def save(self, step: int, pieces: Sequence[Piece | tuple], meta: dict[str, Any]) -> float:
@@ -106,10 +109,15 @@ class Checkpointer:
         """
         began = time.perf_counter()
         self.wait()
+        started = time.perf_counter()
         meta_text = _json_text(meta)
         pieces = [as_piece(p) for p in pieces]
         kinds = self._kinds(pieces)
-        mine = [i for i in assign_writers(self.plan, kinds, self.piece_bytes) if i.writer == self.rank]
+        key = tuple(kinds.items())
+        if key not in self._assignments:  # the same for every save of the same kinds of state
+            items = assign_writers(self.plan, kinds, self.piece_bytes)
+            self._assignments[key] = [i for i in items if i.writer == self.rank]
+        mine = list(self._assignments[key])
         # Larger item sizes first, so every piece's offset is a multiple of its item size (no padding).
         mine.sort(key=lambda i: -kinds[kind_of(i.name)])
         layout, total = [], 0
@@ -120,7 +128,7 @@ class Checkpointer:
         tmp = self.directory / f"{store.TMP_PREFIX}{self.session}-{self._saves:06d}"
         self._saves += 1
         dtypes = {p.name: dtype_name(p.tensor.dtype) for p in pieces}
-        job = _SaveJob(self, step, tmp, mine, layout, buffer[:total], dtypes, meta_text)
+        job = _SaveJob(self, step, tmp, mine, layout, buffer[:total], dtypes, meta_text, started)
         self._thread = threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
         return time.perf_counter() - began
@@ -219,14 +227,16 @@ def _rows(pieces: list[Piece], item: WriteItem, rank: int) -> torch.Tensor:
 class _SaveJob:
     """The background half of one save: checksums, the data file, the fragment, and (rank 0) the commit."""
 
-    def __init__(self, owner, step, tmp, items, layout, buffer, dtypes, meta_text):
+    def __init__(self, owner, step, tmp, items, layout, buffer, dtypes, meta_text, started):
         self.owner: Checkpointer = owner
+        self.started = started
         self.step, self.tmp, self.items, self.layout = step, tmp, items, layout
         self.buffer, self.dtypes, self.meta_text = buffer, dtypes, meta_text
 
     def run(self) -> None:
         try:
             self.owner._result = self._run()
+            self.owner.last_save_s = time.perf_counter() - self.started
         except BaseException as e:  # handed to the training loop at its next wait() or save()
             self.owner._error = e
 
