@@ -10,7 +10,8 @@ micro-batches of a training step.
 
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +30,11 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # idle CPU, and a gpt-tiny profile of every default shape still takes a few seconds.
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
+# A CPU run whose thread got less than this fraction of its wall time as CPU time was preempted by
+# another process; it is discarded and run again, at most MAX_RETRIES_PER_RUN times per kept run.
+# Under a load of 5 on 2 cores, back-to-back medians of one layer differed by up to 2x without this.
+UNDISTURBED_CPU_FRACTION = 0.9
+MAX_RETRIES_PER_RUN = 4
 # One intra-op thread on CPU: a CPU "device" of the runtime is one process, and with one thread a
 # measurement on a busy machine slows down gracefully; with two threads on two busy cores, OpenMP's
 # barriers made medians of the same layer differ by up to 1.7x between back-to-back profiles.
@@ -59,38 +65,60 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return float(median), float(q3 - q1)
 
 
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    out.backward(grad if out.dim() else None)
+
+
+def _cuda_step(
+    shard: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor | None
+) -> tuple[float, float, bool]:
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    torch.cuda.synchronize()
+    marks[0].record()
+    out = shard(x)
+    marks[1].record()
+    _backward(out, grad)
+    marks[2].record()
+    marks[2].synchronize()
+    return marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3, True
+
+
+def _cpu_step(
+    shard: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor | None
+) -> tuple[float, float, bool]:
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    out = shard(x)
+    t1 = time.perf_counter()
+    _backward(out, grad)
+    t2, cpu2 = time.perf_counter(), time.thread_time()
+    # With one thread, torch computes on this thread: CPU time short of wall time means the OS
+    # gave the core to another process mid-run (thread_time's resolution is far below a run's).
+    undisturbed = torch.get_num_threads() > 1 or cpu2 - cpu0 >= UNDISTURBED_CPU_FRACTION * (t2 - t0)
+    return t1 - t0, t2 - t1, undisturbed
+
+
 def _timed_steps(
-    shard: torch.nn.Module, x: torch.Tensor, device: str, runs: int
-) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of `runs` training steps of `shard` on input `x`."""
-    fwd, bwd = [], []
-    grad = None
-    for _ in range(runs):
-        if device == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            torch.cuda.synchronize()
-            marks[0].record()
-        else:
-            t0 = time.perf_counter()
-        out = shard(x)
-        if device == "cuda":
-            marks[1].record()
-        else:
-            t1 = time.perf_counter()
-        if out.dim() and grad is None:
-            grad = torch.randn_like(out)
-        out.backward(grad if out.dim() else None)
-        if device == "cuda":
-            marks[2].record()
-            marks[2].synchronize()
-            fwd.append(marks[0].elapsed_time(marks[1]) / 1e3)
-            bwd.append(marks[1].elapsed_time(marks[2]) / 1e3)
-        else:
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+    shard: torch.nn.Module, x: torch.Tensor, device: str, warmup: int, repeats: int
+) -> tuple[list[float], list[float], int]:
+    """Forward and backward seconds of `repeats` training steps of `shard` on `x` after `warmup`
+    steps, and how many disturbed CPU runs were discarded on the way."""
+    step = _cuda_step if device == "cuda" else _cpu_step
+    with torch.no_grad():
+        grad = torch.randn_like(shard(x))
+    fwd, bwd, discarded = [], [], 0
+    for attempt in range(warmup + repeats * (1 + MAX_RETRIES_PER_RUN)):
+        fwd_s, bwd_s, undisturbed = step(shard, x, grad)
         x.grad = None
-    return fwd, bwd
+        if attempt < warmup:
+            continue
+        if not undisturbed and discarded < repeats * MAX_RETRIES_PER_RUN:
+            discarded += 1
+            continue
+        fwd.append(fwd_s)
+        bwd.append(bwd_s)
+        if len(fwd) == repeats:
+            break
+    return fwd, bwd, discarded
 
 
 def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[int, int]:
@@ -115,84 +143,46 @@ def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[i
     return kept, transient
 
 
-def measure_layer(
-    config: ModelConfig,
-    kind: str,
-    micro_batch_sizes: Sequence[int],
-    tp_degree: int,
-    seq_len: int,
-    *,
-    device: str,
-    dtype: str,
-    repeats: int,
-    warmup: int,
-    generator: torch.Generator,
-    tick: Callable[[], None] = lambda: None,
-) -> list[LayerCost]:
-    """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
-    shard = build_shard(config, kind, tp_degree, device, TORCH_DTYPES[dtype])
-    costs = []
-    for mbs in micro_batch_sizes:
-        x = example_input(shard, config, mbs, seq_len, generator)
-        fwd, bwd = _timed_steps(shard, x, device, warmup + repeats)
-        (fwd_s, fwd_spread), (bwd_s, bwd_spread) = _stats(fwd[warmup:]), _stats(bwd[warmup:])
-        kept, transient = _activation(shard, x, device)
-        costs.append(
-            LayerCost(
-                micro_batch_size=mbs,
-                tp_degree=tp_degree,
-                fwd_s=fwd_s,
-                bwd_s=bwd_s,
-                activation_bytes=kept,
-                fwd_spread_s=fwd_spread,
-                bwd_spread_s=bwd_spread,
-                fwd_flops=analytic.forward_flops(config, kind, mbs, seq_len, tp_degree),
-                transient_bytes=transient,
-            )
-        )
-        tick()
-    return costs
+@dataclass
+class _Session:
+    """One profiling run's settings, and the count of disturbed CPU runs it discarded."""
 
+    config: ModelConfig
+    seq_len: int
+    device: str
+    dtype: str
+    repeats: int
+    warmup: int
+    generator: torch.Generator
+    discarded: int = 0
 
-def _measure_kinds(
-    config: ModelConfig,
-    micro_batch_sizes: Sequence[int],
-    tp_degrees: Sequence[int],
-    seq_len: int,
-    device: str,
-    dtype: str,
-    repeats: int,
-    warmup: int,
-    generator: torch.Generator,
-    progress: bool,
-) -> dict[str, list[LayerCost]]:
-    bar = tqdm(
-        total=len(KINDS) * len(tp_degrees) * len(micro_batch_sizes),
-        desc=f"profiling {config.name} on {device}",
-        unit="shape",
-        disable=not progress,
-    )
-    with bar:
-        return {
-            kind: [
-                cost
-                for t in tp_degrees
-                for cost in measure_layer(
-                    config,
-                    kind,
-                    micro_batch_sizes,
-                    t,
-                    seq_len,
-                    device=device,
-                    dtype=dtype,
-                    repeats=repeats,
-                    warmup=warmup,
-                    generator=generator,
-                    tick=lambda: bar.update(1),
+    def layer_costs(
+        self, kind: str, tp_degree: int, micro_batch_sizes: Sequence[int], tick
+    ) -> list[LayerCost]:
+        """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
+        shard = build_shard(self.config, kind, tp_degree, self.device, TORCH_DTYPES[self.dtype])
+        costs = []
+        for mbs in micro_batch_sizes:
+            x = example_input(shard, self.config, mbs, self.seq_len, self.generator)
+            fwd, bwd, discarded = _timed_steps(shard, x, self.device, self.warmup, self.repeats)
+            self.discarded += discarded
+            (fwd_s, fwd_spread), (bwd_s, bwd_spread) = _stats(fwd), _stats(bwd)
+            kept, transient = _activation(shard, x, self.device)
+            costs.append(
+                LayerCost(
+                    micro_batch_size=mbs,
+                    tp_degree=tp_degree,
+                    fwd_s=fwd_s,
+                    bwd_s=bwd_s,
+                    activation_bytes=kept,
+                    fwd_spread_s=fwd_spread,
+                    bwd_spread_s=bwd_spread,
+                    fwd_flops=analytic.forward_flops(self.config, kind, mbs, self.seq_len, tp_degree),
+                    transient_bytes=transient,
                 )
-            ]
-            for kind in KINDS
-        }
+            )
+            tick()
+        return costs
 
 
 def measure_profile(
@@ -215,26 +205,27 @@ def measure_profile(
     `threads` sets torch's intra-op threads for the measurement (None keeps torch's default).
     """
     check_device(device)
-    generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    session = _Session(config, seq_len, device, dtype, repeats, warmup, torch.Generator().manual_seed(seed))
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    bar = tqdm(
+        total=len(KINDS) * len(tp_degrees) * len(micro_batch_sizes),
+        desc=f"profiling {config.name} on {device}",
+        unit="shape",
+        disable=not progress,
+    )
     try:
-        costs = _measure_kinds(
-            config,
-            micro_batch_sizes,
-            tp_degrees,
-            seq_len,
-            device,
-            dtype,
-            repeats,
-            warmup,
-            generator,
-            progress,
-        )
+        if threads is not None:
+            torch.set_num_threads(threads)
         threads_used = torch.get_num_threads()
+        with bar:
+            costs = {
+                kind: [
+                    c for t in tp_degrees for c in session.layer_costs(kind, t, micro_batch_sizes, bar.update)
+                ]
+                for kind in KINDS
+            }
     finally:
         torch.set_num_threads(previous_threads)
     layers = []
@@ -268,6 +259,7 @@ def measure_profile(
             ),
             "repeats": repeats,
             "warmup": warmup,
+            "discarded_disturbed_runs": session.discarded,
             "statistic": "median; spread = interquartile range",
             "shared": "one block measured, shared by every block",
             "hardware": hardware,

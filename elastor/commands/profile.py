@@ -69,6 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--comm-ranks", type=int, help="with --comm: largest group size (default: min(4, 2 x CPU cores))"
     )
+    p.add_argument(
+        "--comm-max-bytes",
+        type=int,
+        default=64 << 20,
+        help="with --comm: largest message; sizes run from 4 bytes up by factors of 8 (default: 64 MiB)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -125,6 +131,8 @@ def check_flags(args: argparse.Namespace, config: ModelConfig) -> None:
         )
     if (args.cluster_out or args.comm_ranks) and not args.comm:
         raise ElastorError("--cluster-out and --comm-ranks apply to --comm; add --comm or drop them.")
+    if args.comm_max_bytes < 4:
+        raise ElastorError(f"--comm-max-bytes must be at least 4 (one float), not {args.comm_max_bytes}.")
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -228,12 +236,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_comm(args: argparse.Namespace, kind: str) -> None:
-    from profiler.comm import collectives_block, default_max_group_size, measure_collectives, measured_cluster
+    from profiler.comm import (
+        DEFAULT_SIZES,
+        collectives_block,
+        default_max_group_size,
+        measure_collectives,
+        measured_cluster,
+    )
 
     started = time.perf_counter()
     ranks = args.comm_ranks or default_max_group_size()
     print(f"measuring collectives on 2..{ranks} local processes ...", file=sys.stderr, flush=True)
-    samples = measure_collectives(ranks, device=args.device)
+    sizes = [size for size in DEFAULT_SIZES if size <= args.comm_max_bytes]
+    samples = measure_collectives(ranks, device=args.device, sizes=sizes)
     block = collectives_block(samples, "nccl" if args.device == "cuda" else "gloo")
     cluster = measured_cluster(block, ranks, kind)
     write_json(args.cluster_out, cluster.to_json())
