@@ -28,6 +28,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from costmodel import ElastorError
 from goodput.costs import RecoveryCosts
 from goodput.failures import GPU, JOB, NODE, FailureTrace
 from goodput.policies import Config, Hardware, Policy
@@ -125,7 +126,9 @@ class Simulation:
 
         config = policy.choose()
         if config is None:
-            raise ValueError(f"policy {policy.name} finds no plan on the healthy cluster")
+            raise ElastorError(
+                f"Policy {policy.name} finds no plan that fits on the healthy cluster; give it more GPUs."
+            )
         self.config = config
         self.rate = config.samples_per_s / self.G  # steps per second
         self.K = None if ckpt_interval_s is None else max(1, round(ckpt_interval_s * self.rate))
