@@ -8,6 +8,7 @@ and from CUDA events on a GPU. Parameter gradients accumulate across repeats, as
 micro-batches of a training step.
 """
 
+import os
 import platform
 import time
 from collections.abc import Sequence
@@ -57,6 +58,18 @@ def cuda_device_kind() -> str:
         if marker in props.name:
             return kind.format(80 if props.total_memory > 48 * 2**30 else 40)
     return props.name
+
+
+def cpu_name() -> str:
+    """The CPU's model name where the OS tells it (Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _stats(samples: list[float]) -> tuple[float, float]:
@@ -242,7 +255,7 @@ def measure_profile(
     if device == "cuda":
         kind, hardware = device_kind or cuda_device_kind(), torch.cuda.get_device_name(0)
     else:
-        kind, hardware = device_kind or "cpu", platform.processor() or platform.machine()
+        kind, hardware = device_kind or "cpu", cpu_name()
     return ModelProfile(
         model=config,
         device_kind=kind,
