@@ -13,6 +13,7 @@
 Every policy restarts on the same GPUs after a `job`-scope failure (nothing is broken).
 """
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -22,6 +23,14 @@ from costmodel import ElastorError
 from goodput.plans import Oracle, PlanPoint, place, signature, signature_order
 
 POLICIES = ("elastor", "node-drop", "wait-for-repair", "spare-nodes")
+# The default spare-nodes policy holds 1% of the nodes (at least one) as hot spares: under the Llama 3
+# rates and the default repair times a 2,048-node cluster has about 6 nodes down at a time.
+SPARE_FRACTION = 0.01
+
+
+def default_policies(num_nodes: int) -> list[str]:
+    spares = max(1, math.ceil(num_nodes * SPARE_FRACTION))
+    return ["elastor", "node-drop", "wait-for-repair", f"spare-nodes:{spares}"]
 
 
 @dataclass(frozen=True, eq=False)

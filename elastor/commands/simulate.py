@@ -1,7 +1,10 @@
-"""`elastor simulate`: goodput of a training run under failures, per recovery policy (goodput/)."""
+"""`elastor simulate`: goodput of a training run under failures, per recovery policy (goodput/).
+
+goodput (with pandas and matplotlib) is imported when the command runs, not when the parser is
+built, so `elastor --help` and the other subcommands start fast.
+"""
 
 import argparse
-import math
 import re
 import time
 
@@ -11,7 +14,6 @@ from costmodel.table import format_table
 from elastor.commands import subcommand
 
 _NODES_BY_GPUS = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
-SPARE_FRACTION = 0.01  # default spare-nodes policy: 1% of the nodes held as hot spares
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -130,22 +132,14 @@ def check_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from goodput.experiment import auto_intervals, build_study, run_experiment, write_outputs
     from goodput.plots import loss_table
+    from goodput.policies import default_policies
 
     started = time.perf_counter()
     check_flags(args)
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
     cluster = parse_cluster(args.cluster, profile.device_kind)
     nodes = len(cluster.nodes)
-    policies = (
-        [p.strip() for p in args.policies.split(",")]
-        if args.policies
-        else [
-            "elastor",
-            "node-drop",
-            "wait-for-repair",
-            f"spare-nodes:{max(1, math.ceil(nodes * SPARE_FRACTION))}",
-        ]
-    )
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
     failures = failure_model(args)
     study = build_study(
         profile, cluster, args.global_batch_size, failures, args.days, args.costs, progress=not args.quiet
