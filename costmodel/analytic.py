@@ -6,9 +6,11 @@ Every function describes ONE tensor-parallel shard (TP rank 0, which holds the l
 every uneven split), for one micro-batch of `b` samples of `s` tokens.
 
 FLOPs (2 per multiply-add, matrix products only). Narayanan et al. 2021, "Efficient Large-Scale
-Language Model Training on GPU Clusters Using Megatron-LM", section 5.1, count a GPT layer's forward
-as 24·b·s·h² + 4·b·s²·h and its backward as twice that. Written per matrix product, which also
-covers grouped-query attention and a three-matrix SwiGLU MLP of width F:
+Language Model Training on GPU Clusters Using Megatron-LM", count 96·B·s·l·h²·(1 + s/(6h) +
+V/(16·l·h)) FLOPs per iteration: a GPT layer's forward is 24·b·s·h² + 4·b·s²·h, its backward twice
+that, and their 96 (= 4 × 24) includes a recomputed forward that Elastor does not run (3 × 24).
+Written per matrix product, which also covers grouped-query attention and a three-matrix SwiGLU MLP
+of width F:
     q and o projections   2 · 2·b·s·h·(H·d)          (H query heads of size d)
     k and v projections   2 · 2·b·s·h·(K·d)          (K key/value heads)
     scores and values     2 · 2·b·s²·(H·d) · CAUSAL_ATTENTION_FRACTION
@@ -54,7 +56,7 @@ from costmodel.layout import shard_size
 from costmodel.profile import DTYPE_BYTES
 
 # Backward computes the gradients of both the input and the weights of every product: twice the
-# forward's FLOPs (Narayanan et al. 2021, section 5.1).
+# forward's FLOPs (Narayanan et al. 2021).
 BACKWARD_FLOPS_FACTOR = 2.0
 # Causal flash-attention kernels (Dao 2023, FlashAttention-2, section 3.1.1) skip the blocks above
 # the diagonal, so they run half of the s² products; Narayanan's formula counts the full square.

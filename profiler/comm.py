@@ -47,8 +47,10 @@ DEFAULT_WARMUP = 2
 TIMEOUT_S = 600
 
 
-def default_max_group_size() -> int:
-    """Four processes, or fewer on a machine of one core (2 per core)."""
+def default_max_group_size(device: str = "cpu") -> int:
+    """Every GPU up to a node of 8; on CPU four processes, or two per core on smaller machines."""
+    if device == "cuda":
+        return min(8, torch.cuda.device_count())
     return min(4, 2 * (os.cpu_count() or 1))
 
 

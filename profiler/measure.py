@@ -22,24 +22,17 @@ from costmodel import analytic
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
 from costmodel.profile import LayerCost, LayerProfile, ModelProfile
+from profiler import defaults
 from profiler.layers import KINDS, build_shard, example_input
 from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# CUDA device names and the device kinds of costmodel.hardware they are (memory tells A100s apart).
-# Timed runs per shape after the warm-up runs: the median of 20 is steady to a few percent on an
-# idle CPU, and a gpt-tiny profile of every default shape still takes a few seconds.
-DEFAULT_REPEATS = 20
-DEFAULT_WARMUP = 3
 # A CPU run whose thread got less than this fraction of its wall time as CPU time was preempted by
 # another process; it is discarded and run again, at most MAX_RETRIES_PER_RUN times per kept run.
 # Under a load of 5 on 2 cores, back-to-back medians of one layer differed by up to 2x without this.
 UNDISTURBED_CPU_FRACTION = 0.9
 MAX_RETRIES_PER_RUN = 4
-# One intra-op thread on CPU: a CPU "device" of the runtime is one process, and with one thread a
-# measurement on a busy machine slows down gracefully; with two threads on two busy cores, OpenMP's
-# barriers made medians of the same layer differ by up to 1.7x between back-to-back profiles.
-CPU_THREADS = 1
+# CUDA device names and the device kinds of costmodel.hardware they are (memory tells A100s apart).
 CUDA_KINDS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-{}GB"))
 
 
@@ -207,9 +200,9 @@ def measure_profile(
     device: str = "cpu",
     dtype: str = "float32",
     device_kind: str | None = None,
-    repeats: int = DEFAULT_REPEATS,
-    warmup: int = DEFAULT_WARMUP,
-    threads: int | None = CPU_THREADS,
+    repeats: int = defaults.REPEATS,
+    warmup: int = defaults.WARMUP,
+    threads: int | None = defaults.CPU_THREADS,
     seed: int = 0,
     progress: bool = True,
 ) -> ModelProfile:

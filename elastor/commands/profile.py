@@ -14,6 +14,7 @@ from costmodel.jsonio import write_json
 from costmodel.profile import DTYPE_BYTES, ModelProfile
 from costmodel.table import format_table
 from elastor.commands import subcommand
+from profiler import defaults
 
 MAX_DEFAULT_TP = 8  # default TP degrees: every degree up to one node of 8 GPUs that divides the heads
 
@@ -55,10 +56,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=tuple(DTYPE_BYTES),
         help="model dtype (default: float32 when measuring, bfloat16 with --analytic)",
     )
-    p.add_argument("--repeats", type=int, help="timed runs per shape when measuring (default: 20)")
-    p.add_argument("--warmup", type=int, help="untimed runs before them (default: 3)")
     p.add_argument(
-        "--threads", type=int, default=1, help="torch threads when measuring (default: %(default)s)"
+        "--repeats", type=int, help=f"timed runs per shape when measuring (default: {defaults.REPEATS})"
+    )
+    p.add_argument("--warmup", type=int, help=f"untimed runs before them (default: {defaults.WARMUP})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.CPU_THREADS,
+        help="torch threads when measuring (default: %(default)s)",
     )
     p.add_argument(
         "--comm",
@@ -67,7 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cluster-out", help="with --comm: the cluster JSON to write the fitted links to")
     p.add_argument(
-        "--comm-ranks", type=int, help="with --comm: largest group size (default: min(4, 2 x CPU cores))"
+        "--comm-ranks",
+        type=int,
+        help="with --comm: largest group size (default: every GPU up to 8; on CPU min(4, 2 x cores))",
     )
     p.add_argument(
         "--comm-max-bytes",
@@ -207,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype or "bfloat16",
         )
     else:
-        from profiler.measure import DEFAULT_REPEATS, DEFAULT_WARMUP, check_device, measure_profile
+        from profiler.measure import check_device, measure_profile
 
         check_device(args.device)
         profile = measure_profile(
@@ -218,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype or "float32",
             device_kind=args.device_kind,
-            repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats,
-            warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+            repeats=defaults.REPEATS if args.repeats is None else args.repeats,
+            warmup=defaults.WARMUP if args.warmup is None else args.warmup,
             threads=args.threads,
             progress=not args.quiet,
         )
@@ -245,7 +253,7 @@ def measure_comm(args: argparse.Namespace, kind: str) -> None:
     )
 
     started = time.perf_counter()
-    ranks = args.comm_ranks or default_max_group_size()
+    ranks = args.comm_ranks or default_max_group_size(args.device)
     print(f"measuring collectives on 2..{ranks} local processes ...", file=sys.stderr, flush=True)
     sizes = [size for size in DEFAULT_SIZES if size <= args.comm_max_bytes]
     samples = measure_collectives(ranks, device=args.device, sizes=sizes)
