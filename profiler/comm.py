@@ -13,7 +13,8 @@ the median of `repeats` runs after `warmup`, the slowest rank's median counting.
     reduce_scatter  steps n-1     bus (n-1)/n * S    (S: the input reduced)
     p2p             steps 1       bus S              (S: the message; send/recv)
 by least squares on relative error (numpy), so microsecond latencies weigh as much as megabyte
-transfers, over all group sizes together, and per group size for inspection.
+transfers, over all group sizes together, and per group size for inspection. Messages too small to
+show a bandwidth (all latency-bound) keep the device kind's table figure, marked `bandwidth_from`.
 
 One host can only measure the intra-node scope. The inter-node entry is a copy of the intra-node
 fit, marked `copied_from`, so that a cluster file written here is complete; replace it with a
@@ -191,37 +192,59 @@ def measure_collectives(
 
 
 # ---- the fit -----------------------------------------------------------------------------------------
-def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Least-squares latency and bandwidth of one collective's samples, minimising relative error."""
+def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Least-squares latency and bandwidth of one collective's samples, minimising relative error.
+
+    A negative latency is clamped to zero and the bandwidth refitted. When the messages never leave
+    the latency-bound regime (the fitted seconds per byte is not positive), the samples say nothing
+    about bandwidth: the latency is fitted alone and `bandwidth_gbps` is None.
+    """
     collective = samples[0]["collective"]
     terms = np.array([model_terms(collective, s["group_size"], s["bytes"]) for s in samples], dtype=float)
     times = np.array([s["time_s"] for s in samples], dtype=float)
-    weighted = terms / times[:, None]
+    weighted = terms / times[:, None]  # each row divided by its time: relative residuals
     ones = np.ones(len(samples))
     (latency, seconds_per_byte), *_ = np.linalg.lstsq(weighted, ones, rcond=None)
-    if latency < 0:  # no measurable latency: fit bandwidth alone
+    if seconds_per_byte <= 0:
+        seconds_per_byte = 0.0
+        latency = max(np.linalg.lstsq(weighted[:, :1], ones, rcond=None)[0][0], 0.0)
+    elif latency < 0:
         latency = 0.0
-        seconds_per_byte = float(np.linalg.lstsq(weighted[:, 1:], ones, rcond=None)[0][0])
-    seconds_per_byte = max(float(seconds_per_byte), 1e-15)
+        seconds_per_byte = np.linalg.lstsq(weighted[:, 1:], ones, rcond=None)[0][0]
     predicted = terms @ np.array([latency, seconds_per_byte])
     return {
         "latency_s": float(latency),
-        "bandwidth_gbps": 1.0 / seconds_per_byte / 1e9,
+        "bandwidth_gbps": float(1.0 / seconds_per_byte / 1e9) if seconds_per_byte > 0 else None,
         "max_rel_error": float(np.max(np.abs(predicted - times) / times)),
         "samples": len(samples),
     }
 
 
-def collectives_block(samples: Sequence[dict[str, Any]], backend: str) -> dict[str, Any]:
-    """The cluster file's `links.collectives`: per collective an intra-node fit and its inter-node copy."""
+def _fit(samples: Sequence[dict[str, Any]], fallback_gbps: float) -> dict[str, Any]:
+    """`fit_alpha_beta`, with the hardware table's bandwidth where the samples do not resolve one."""
+    fit = fit_alpha_beta(samples)
+    if fit["bandwidth_gbps"] is None:
+        fit["bandwidth_gbps"] = fallback_gbps
+        fit["bandwidth_from"] = "hardware table: the messages were too small to resolve a bandwidth"
+    return fit
+
+
+def collectives_block(
+    samples: Sequence[dict[str, Any]], backend: str, fallback_gbps: float
+) -> dict[str, Any]:
+    """The cluster file's `links.collectives`: per collective an intra-node fit and its inter-node copy.
+
+    `fallback_gbps` (the device kind's intra-node figure) stands in for a bandwidth that messages
+    this small cannot show; the fit then says so in `bandwidth_from`.
+    """
     block: dict[str, Any] = {}
     for collective in COLLECTIVES:
         mine = [s for s in samples if s["collective"] == collective]
         if not mine:
             continue
-        intra = fit_alpha_beta(mine)
+        intra = _fit(mine, fallback_gbps)
         intra["by_group_size"] = {
-            str(n): fit_alpha_beta([s for s in mine if s["group_size"] == n])
+            str(n): _fit([s for s in mine if s["group_size"] == n], fallback_gbps)
             for n in sorted({s["group_size"] for s in mine})
         }
         inter = {k: intra[k] for k in ("latency_s", "bandwidth_gbps")}

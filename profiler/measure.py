@@ -11,7 +11,7 @@ micro-batches of a training step.
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,8 +130,7 @@ def _timed_steps(
 def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[int, int]:
     """(kept, transient) activation bytes of one step; transient is measured on CUDA only."""
     if device != "cuda":
-        out, kept = saved_tensor_bytes(shard, lambda: shard(x))
-        del out
+        _, kept = saved_tensor_bytes(shard, lambda: shard(x))
         return kept, 0
     targets = getattr(shard, "targets", None)
 
@@ -163,7 +162,7 @@ class _Session:
     discarded: int = 0
 
     def layer_costs(
-        self, kind: str, tp_degree: int, micro_batch_sizes: Sequence[int], tick
+        self, kind: str, tp_degree: int, micro_batch_sizes: Sequence[int], tick: Callable[[], object]
     ) -> list[LayerCost]:
         """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
         shard = build_shard(self.config, kind, tp_degree, self.device, TORCH_DTYPES[self.dtype])

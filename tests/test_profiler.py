@@ -220,6 +220,10 @@ def test_device_cuda_without_a_gpu_is_one_sentence(capsys, tmp_path):
         (["--model", "gpt-tiny", "--comm"], "name it with --cluster-out"),
         (["--model", "gpt-tiny", "--cluster-out", "c.json"], "apply to --comm"),
         (["--model", "gpt-tiny", "--repeats", "0"], "--repeats must be at least 1"),
+        (
+            ["--model", "gpt-tiny", "--comm", "--cluster-out", "c.json", "--comm-max-bytes", "4096"],
+            "at least 1048576",
+        ),
     ],
 )
 def test_profile_user_errors_exit_2_with_one_sentence(argv, sentence, capsys, tmp_path):

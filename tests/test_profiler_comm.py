@@ -12,7 +12,7 @@ import pytest
 from costmodel import ClusterSpec, ElastorError
 from costmodel.comm import all_reduce_s, link
 from elastor.cli import main
-from profiler.comm import COLLECTIVES, fit_alpha_beta, measure_collectives, model_terms
+from profiler.comm import COLLECTIVES, collectives_block, fit_alpha_beta, measure_collectives, model_terms
 
 
 def synthetic(collective: str, latency_s: float, bandwidth_gbps: float, noise=lambda i: 1.0) -> list[dict]:
@@ -42,8 +42,20 @@ def test_the_fit_tolerates_noise_and_never_goes_negative():
     assert fit_alpha_beta(pure_bandwidth)["latency_s"] >= 0.0
 
 
+def test_latency_bound_samples_leave_the_bandwidth_to_the_hardware_table():
+    # Messages of at most 256 B: time is all latency (plus noise), the fitted slope is not positive.
+    noisy = synthetic("all_gather", 300e-6, 1e6, noise=lambda i: 1.2 if i % 2 else 1.0)
+    tiny = [s for s in noisy if s["bytes"] < 300]
+    fit = fit_alpha_beta(tiny)
+    assert fit["bandwidth_gbps"] is None
+    assert fit["latency_s"] == pytest.approx(300e-6, rel=0.2)
+    block = collectives_block(tiny, "gloo", fallback_gbps=2.0)
+    assert block["all_gather"]["intra_node"]["bandwidth_gbps"] == 2.0
+    assert "too small" in block["all_gather"]["intra_node"]["bandwidth_from"]
+
+
 def test_profile_comm_measures_gloo_and_writes_a_cluster_file(tmp_path, capsys):
-    # One end-to-end run: 3 spawned gloo processes, groups of 2 and 3, messages of 4 B to 16 KiB.
+    # One end-to-end run: 3 spawned gloo processes, groups of 2 and 3, messages of 4 B to 1 MiB.
     profile, cluster = tmp_path / "p.json", tmp_path / "c.json"
     argv = [
         "profile",
@@ -57,7 +69,7 @@ def test_profile_comm_measures_gloo_and_writes_a_cluster_file(tmp_path, capsys):
         "8",
     ]
     argv += ["--repeats", "1", "--warmup", "0", "--quiet", "--out", str(profile)]
-    argv += ["--comm", "--comm-ranks", "3", "--comm-max-bytes", "16384", "--cluster-out", str(cluster)]
+    argv += ["--comm", "--comm-ranks", "3", "--comm-max-bytes", str(1 << 20), "--cluster-out", str(cluster)]
     assert main(argv) == 0
     assert not multiprocessing.active_children()
     printed = capsys.readouterr().out
@@ -70,8 +82,16 @@ def test_profile_comm_measures_gloo_and_writes_a_cluster_file(tmp_path, capsys):
     assert {(s["collective"], s["group_size"]) for s in samples} == {
         (c, n) for c in COLLECTIVES for n in (2, 3)
     }
-    # 4 B ... 16 KiB by factors of 8, each rounded to whole float32 elements per rank (4 B -> 8 B).
-    assert sorted({s["bytes"] for s in samples if s["group_size"] == 2}) == [8, 32, 256, 2048, 16384]
+    # 4 B ... 1 MiB by factors of 8, each rounded to whole float32 elements per rank (4 B -> 8 B).
+    assert sorted({s["bytes"] for s in samples if s["group_size"] == 2}) == [
+        8,
+        32,
+        256,
+        2048,
+        16384,
+        131072,
+        1048576,
+    ]
     assert all(s["time_s"] > 0 for s in samples)
     assert block["measurement"]["scopes_measured"] == ["intra_node"]
     assert again.links.intra_node_gbps == block["all_reduce"]["intra_node"]["bandwidth_gbps"]

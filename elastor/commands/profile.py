@@ -10,6 +10,7 @@ import time
 
 from costmodel.config import ModelConfig, load_model_config
 from costmodel.errors import ElastorError
+from costmodel.hardware import DEVICE_KINDS
 from costmodel.jsonio import write_json
 from costmodel.profile import DTYPE_BYTES, ModelProfile
 from costmodel.table import format_table
@@ -17,6 +18,8 @@ from elastor.commands import subcommand
 from profiler import defaults
 
 MAX_DEFAULT_TP = 8  # default TP degrees: every degree up to one node of 8 GPUs that divides the heads
+# Below about a megabyte, collectives on any link are latency-bound and a fit cannot see bandwidth.
+MIN_COMM_MAX_BYTES = 1 << 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -139,8 +142,11 @@ def check_flags(args: argparse.Namespace, config: ModelConfig) -> None:
         )
     if (args.cluster_out or args.comm_ranks) and not args.comm:
         raise ElastorError("--cluster-out and --comm-ranks apply to --comm; add --comm or drop them.")
-    if args.comm_max_bytes < 4:
-        raise ElastorError(f"--comm-max-bytes must be at least 4 (one float), not {args.comm_max_bytes}.")
+    if args.comm_max_bytes < MIN_COMM_MAX_BYTES:
+        raise ElastorError(
+            f"--comm-max-bytes must be at least {MIN_COMM_MAX_BYTES} (1 MiB) for the fit to see a bandwidth, "
+            f"not {args.comm_max_bytes}."
+        )
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -189,7 +195,7 @@ def comm_table(block: dict) -> str:
                     name,
                     group,
                     f"{fit['latency_s'] * 1e6:.1f}",
-                    f"{fit['bandwidth_gbps']:.3f}",
+                    f"{fit['bandwidth_gbps']:.3f}" + (" (table)" if "bandwidth_from" in fit else ""),
                     f"{fit['max_rel_error']:.2f}",
                 )
             )
@@ -257,7 +263,8 @@ def measure_comm(args: argparse.Namespace, kind: str) -> None:
     print(f"measuring collectives on 2..{ranks} local processes ...", file=sys.stderr, flush=True)
     sizes = [size for size in DEFAULT_SIZES if size <= args.comm_max_bytes]
     samples = measure_collectives(ranks, device=args.device, sizes=sizes)
-    block = collectives_block(samples, "nccl" if args.device == "cuda" else "gloo")
+    table = DEVICE_KINDS.get(kind, DEVICE_KINDS["cpu"])
+    block = collectives_block(samples, "nccl" if args.device == "cuda" else "gloo", table.intra_node_gbps)
     cluster = measured_cluster(block, ranks, kind)
     write_json(args.cluster_out, cluster.to_json())
     print(comm_table(block))
