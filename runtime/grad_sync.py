@@ -10,6 +10,11 @@ Because each pipeline's loss is divided by the global token count, the sum over 
 full-batch gradient. A stage's TP replicas of a norm weight hold the same gradient, so only the first
 of them contributes (`costmodel.layout.contributes`); the others add zeros and still receive the sum.
 
+A parameter held whole by one bucket (every parameter under pure data parallelism) keeps its
+gradient inside that bucket's buffer, as DDP's `gradient_as_bucket_view` does: autograd accumulates
+into the buffer and the reduction needs no copies. Parameters cut into several segments are packed
+and unpacked around the collective.
+
 The global norm counts each element once: after the sync every holder of an element has the same
 gradient, and the element's owner is its first holder in rank order. `owned_regions` gives, per local
 parameter, the ranges along its shard dimension this rank owns; each rank sums the squares it owns,
@@ -36,6 +41,7 @@ class _Bucket:
     size: int  # number of ranks
     views: list[tuple[str, tuple[slice, ...], bool]]  # (parameter, local slices, contributes)
     buffer: torch.Tensor
+    resident: set[str] = field(default_factory=set)  # parameters whose .grad is a view of `buffer`
 
 
 @dataclass
@@ -59,8 +65,19 @@ class GradSync:
             views = [(name, box_slices(seg.relative_to(local[name])), mine) for name, seg in segments]
             numel = sum(seg.numel for _, seg in segments)
             dtype, where = params[segments[0][0]].dtype, params[segments[0][0]].device
-            buffer = torch.empty(numel, dtype=dtype, device=where)
-            self.buckets.append(_Bucket(groups.group(holders), len(holders), views, buffer))
+            buffer = torch.zeros(numel, dtype=dtype, device=where)
+            bucket = _Bucket(groups.group(holders), len(holders), views, buffer)
+            offset = 0
+            for name, seg in segments:
+                if seg == local[name]:  # the whole local tensor: its gradient can live in the buffer
+                    param = params[name]
+                    resident = buffer[offset : offset + seg.numel].view_as(param)
+                    if param.grad is not None:
+                        resident.copy_(param.grad)
+                    param.grad = resident
+                    bucket.resident.add(name)
+                offset += seg.numel
+            self.buckets.append(bucket)
         self.stats = SyncStats()
 
     def all_reduce(self) -> None:
@@ -70,10 +87,10 @@ class GradSync:
             for name, slices, mine in bucket.views:
                 grad = self.params[name].grad[slices]
                 chunk = bucket.buffer[offset : offset + grad.numel()]
-                if mine:
-                    chunk.view_as(grad).copy_(grad)
-                else:
+                if not mine:
                     chunk.zero_()
+                elif name not in bucket.resident:
+                    chunk.view_as(grad).copy_(grad)
                 offset += grad.numel()
             works.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
@@ -85,7 +102,8 @@ class GradSync:
             offset = 0
             for name, slices, _ in bucket.views:
                 grad = self.params[name].grad[slices]
-                grad.copy_(bucket.buffer[offset : offset + grad.numel()].view_as(grad))
+                if name not in bucket.resident:
+                    grad.copy_(bucket.buffer[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
 

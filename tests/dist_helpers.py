@@ -135,7 +135,7 @@ def run_worker(plan: dict[str, Any], out: Path, *, steps: int, timeout: float = 
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     nproc = sum(len(st["devices"]) for p in plan["pipelines"] for st in p["stages"])
-    args = [str(WORKER), "--plan", str(plan_path), "--steps", str(steps), "--out", str(out), *extra]
+    args = [str(WORKER), "train", "--plan", str(plan_path), "--steps", str(steps), "--out", str(out), *extra]
     return launch(torchrun(nproc, *args), timeout=timeout)
 
 
@@ -243,5 +243,106 @@ def _save(trainer, where: Path, rank: int, *, with_optim: bool) -> None:
         (where / "meta.json").write_text(json.dumps(meta))
 
 
+def _tp_layers(out: Path) -> int:
+    """Each TP layer on this job's ranks against its plain single-device counterpart, forward and
+    backward; writes the largest absolute difference per quantity to out/tp<rank>.json."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from costmodel import ModelConfig
+    from costmodel.layout import layer_params, shard_box
+    from runtime.model import Block, RMSNorm, rotary_tables
+    from runtime.stage import box_slices
+    from runtime.tensor_parallel import (
+        VocabParallelEmbedding,
+        VocabParallelHead,
+        apply_tensor_parallel,
+        vocab_parallel_cross_entropy_sum,
+    )
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    config = ModelConfig(
+        name="tp-check", vocab_size=250, hidden_size=48, intermediate_size=100, num_blocks=1,
+        num_heads=6, num_kv_heads=3, max_seq_len=64,
+    )  # fmt: skip
+    specs = {s.name: s for i in range(config.num_layers) for s in layer_params(config, i)}
+
+    def local(name: str, full: torch.Tensor) -> torch.Tensor:
+        return full[box_slices(shard_box(specs[name], world, rank))]
+
+    # Every rank draws the same full tensors (module constructors, whose shapes differ per rank,
+    # do not touch this generator).
+    gen = torch.Generator().manual_seed(0)
+    diffs: dict[str, float] = {}
+
+    def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        diffs[what] = (got.detach() - want.detach()).abs().max().item()
+
+    # Vocabulary-parallel embedding.
+    table = torch.randn(250, 48, requires_grad=True, generator=gen)
+    tokens = torch.randint(0, 250, (2, 16), generator=gen)
+    box = shard_box(specs["embed.weight"], world, rank)
+    embed = VocabParallelEmbedding(box.sizes[0], 48, box.offsets[0], group)
+    embed.weight.data.copy_(local("embed.weight", table.detach()))
+    grad = torch.randn(2, 16, 48, generator=gen)
+    mine, ref = embed(tokens), F.embedding(tokens, table)
+    mine.backward(grad)
+    ref.backward(grad)
+    compare("embed.out", mine, ref)
+    compare("embed.grad", embed.weight.grad, local("embed.weight", table.grad))
+
+    # Head and vocabulary-parallel cross-entropy.
+    x = torch.randn(2, 16, 48, generator=gen)
+    norm_w, out_w = torch.rand(48, generator=gen) + 0.5, torch.randn(250, 48, generator=gen) * 0.2
+    targets = torch.randint(0, 250, (2, 16), generator=gen)
+    head = VocabParallelHead(config, box.sizes[0], group)
+    head.norm.weight.data.copy_(norm_w)
+    head.output.weight.data.copy_(local("head.output.weight", out_w))
+    x_mine, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    norm = RMSNorm(48, config.norm_eps)
+    norm.weight.data.copy_(norm_w)
+    w_ref = out_w.clone().requires_grad_()
+    loss_mine = vocab_parallel_cross_entropy_sum(head(x_mine, None), targets, box.offsets[0], group)
+    loss_ref = F.cross_entropy(
+        F.linear(norm(x_ref), w_ref).reshape(-1, 250), targets.reshape(-1), reduction="sum"
+    )
+    loss_mine.backward()
+    loss_ref.backward()
+    compare("ce.loss", loss_mine / loss_ref, torch.ones(()))
+    compare("head.input_grad", x_mine.grad, x_ref.grad)
+    compare("head.output_grad", head.output.weight.grad, local("head.output.weight", w_ref.grad))
+    compare("head.norm_grad", head.norm.weight.grad, norm.weight.grad)
+
+    # A block: column-parallel wq/wk/wv/gate/up, row-parallel wo/down, uneven MLP width.
+    ref_block, tp_block = Block(config), apply_tensor_parallel(Block(config, world, rank), group)
+    for name, p in ref_block.named_parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0))
+        tp_p = dict(tp_block.named_parameters())[name]
+        tp_p.data.copy_(local(f"blocks.0.{name}", p.data))
+    cos, sin = rotary_tables(config, 16)
+    x_mine, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(2, 16, 48, generator=gen)
+    mine, ref = tp_block(x_mine, cos, sin), ref_block(x_ref, cos, sin)
+    mine.backward(grad)
+    ref.backward(grad)
+    compare("block.out", mine, ref)
+    compare("block.input_grad", x_mine.grad, x_ref.grad)
+    for name, p in tp_block.named_parameters():
+        compare(
+            f"block.{name}.grad",
+            p.grad,
+            local(f"blocks.0.{name}", dict(ref_block.named_parameters())[name].grad),
+        )
+
+    (out / f"tp{rank}.json").write_text(json.dumps(diffs))
+    dist.destroy_process_group()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1:]))
+    mode, rest = sys.argv[1], sys.argv[2:]
+    sys.exit(_worker(rest) if mode == "train" else _tp_layers(Path(rest[0])))

@@ -32,6 +32,7 @@ def test_failing_rank_ends_the_job(how, tmp_path):
     assert _seconds_after_failure(tmp_path, result) < FAIL_AFTER_S
 
 
+@pytest.mark.slow
 def test_hung_rank_is_caught_by_the_collective_timeout(tmp_path):
     extra = ("--fail", "hang", "--fail-rank", "1", "--timeout-s", str(HANG_TIMEOUT_S))
     result = run_worker(PLAN, tmp_path, steps=50, timeout=180, extra=extra)

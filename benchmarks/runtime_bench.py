@@ -1,0 +1,436 @@
+"""Runtime benchmark: (1) a pure data-parallel plan against DistributedDataParallel, (2) the bytes of the
+cross-pipeline gradient sync against the minimum the layouts require.
+
+(1) Both trainers live in the same torchrun processes and take the same samples each step: Elastor's
+`Trainer` on a plan of one whole-model pipeline per process, and `DistributedDataParallel` around the
+reference model with the same micro-batches (gradient accumulation under `no_sync`), the same AdamW,
+clipping and schedule. Steps alternate between the two (which one goes first alternates too), after
+a barrier, so machine noise hits both alike; the figure is the ratio of median step times over 40
+steps each (target <= 1.10; on a shared 2-core machine one run varies by about +-5%). Their losses must agree: the comparison is between two ways of computing the same thing.
+
+(2) For heterogeneous plans, every rank runs two training steps and measures, around the gradient
+sync only, the bytes its process wrote to its sockets (Linux `/proc/self/io` wchar: what gloo really
+sent, headers included) and the bytes its collectives carry by count (a ring all-reduce of S bytes
+among n ranks sends 2(n-1)/n * S per rank; Patarasuk & Yuan 2009 show no all-reduce sends less).
+The minimum is derived here, element by element and independently of `sync_buckets`' segments and
+groups: an element needs a reduction when devices of two or more stages hold it, and then its n
+holders must together send at least 2(n-1) copies of it. Target: measured / minimum <= 1.05.
+
+    .venv/bin/python benchmarks/runtime_bench.py [--out benchmarks/results/runtime_bench.json]
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+from costmodel import PRESETS, ModelConfig, Plan
+from costmodel.layout import device_pieces
+from costmodel.table import format_table
+
+REPO = Path(__file__).resolve().parent.parent
+
+FP32_BYTES = 4
+DP_TARGET, SYNC_TARGET = 1.10, 1.05
+# A model with 8x gpt-tiny's parameters, so that the gradient all-reduce weighs more in a step.
+GPT_MINI = ModelConfig(
+    name="gpt-mini",
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=688,
+    num_blocks=4,
+    num_heads=8,
+    num_kv_heads=8,
+    max_seq_len=256,
+)
+# (model, micro_batch_size, micro-batches per process, seq_len) of the DDP comparison.
+DP_CASES = {
+    "gpt-tiny": (PRESETS["gpt-tiny"], 4, 2, 128),
+    "gpt-mini": (GPT_MINI, 2, 2, 128),
+}
+
+
+def _stages(*stages):
+    return [{"layers": list(layers), "devices": devices} for layers, devices in stages]
+
+
+def sync_plans() -> dict[str, dict]:
+    tiny = PRESETS["gpt-tiny"].to_json()
+    tied = ModelConfig(
+        name="tied-gqa-tiny",
+        vocab_size=250,
+        hidden_size=48,
+        intermediate_size=100,
+        num_blocks=3,
+        num_heads=6,
+        num_kv_heads=3,
+        max_seq_len=64,
+        tie_embeddings=True,
+    ).to_json()
+
+    def plan(model, pipelines):
+        return {
+            "schema_version": 1,
+            "model": model,
+            "global_batch_size": sum(m for m, _ in pipelines),
+            "micro_batch_size": 1,
+            "seq_len": 32,
+            "pipelines": [{"num_microbatches": m, "stages": st} for m, st in pipelines],
+        }
+
+    example = json.loads((REPO / "examples" / "plan-hetero.json").read_text())
+    return {
+        "examples/plan-hetero.json": example,
+        "tp2+1 | 1+tp2 (5/3 mb)": plan(
+            tiny,
+            [
+                (5, _stages(((0, 3), ["n0:0", "n0:1"]), ((3, 6), ["n0:2"]))),
+                (3, _stages(((0, 2), ["n1:0"]), ((2, 6), ["n1:1", "n1:2"]))),
+            ],
+        ),
+        "tp3+tp2 | 1 (6/2 mb)": plan(
+            tiny,
+            [
+                (6, _stages(((0, 2), ["n0:0", "n0:1", "n0:2"]), ((2, 6), ["n0:3", "n0:4"]))),
+                (2, _stages(((0, 6), ["n1:0"]))),
+            ],
+        ),
+        "tied 1+1+tp3 | 1": plan(
+            tied,
+            [
+                (2, _stages(((0, 1), ["n0:0"]), ((1, 3), ["n0:1"]), ((3, 5), ["n0:2", "n0:3", "n0:4"]))),
+                (3, _stages(((0, 5), ["n1:0"]))),
+            ],
+        ),
+        "pure DP x3": plan(tiny, [(3, _stages(((0, 6), [f"n{i}:0"]))) for i in range(3)]),
+    }
+
+
+def minimum_sync_bytes(plan: Plan) -> float:
+    """Bytes all devices together must send to sum every gradient element held in two or more stages."""
+    holders: dict[str, list] = {}
+    for device in plan.devices:
+        for spec, box in device_pieces(plan, device):
+            holders.setdefault(spec.name, []).append((plan.placement(device), spec, box))
+    total = 0.0
+    for entries in holders.values():
+        spec = entries[0][1]
+        dim = spec.shard_dim if spec.shard_dim is not None else 0
+        length = spec.shape[dim]
+        per_index = int(np.prod(spec.shape)) // length
+        devices = np.zeros(length, dtype=np.int64)
+        stage_masks: dict[tuple, np.ndarray] = {}
+        for placement, _, box in entries:
+            lo, hi = box.offsets[dim], box.offsets[dim] + box.sizes[dim]
+            devices[lo:hi] += 1
+            stage_masks.setdefault(placement, np.zeros(length, dtype=bool))[lo:hi] = True
+        stages = np.sum(list(stage_masks.values()), axis=0)
+        needs = stages >= 2
+        total += float(np.sum(2 * (devices[needs] - 1))) * per_index * FP32_BYTES
+    return total
+
+
+# ---- launching ----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, args: list[str], timeout: float) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(Path(__file__).resolve()),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"runtime_bench: a torchrun worker failed (exit {proc.returncode}):\n{out[-3000:]}")
+
+
+# ---- workers (run under torchrun) ---------------------------------------------------------------
+def _join(plan: Plan):
+    import torch
+
+    from runtime.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    return init_distributed(plan, device="cpu")
+
+
+def _dp_worker(case: str, steps: int, result: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runtime.data import SyntheticTokens, fetch, pipeline_samples
+    from runtime.model import build_model, cross_entropy_sum
+    from runtime.optim import OptimConfig, build_optimizer, set_lr
+    from runtime.trainer import Trainer
+
+    config, mb, m, seq = DP_CASES[case]
+    world = int(os.environ["WORLD_SIZE"])
+    plan = Plan.from_json(
+        {
+            "schema_version": 1,
+            "model": config.to_json(),
+            "global_batch_size": world * m * mb,
+            "micro_batch_size": mb,
+            "seq_len": seq,
+            "pipelines": [
+                {
+                    "num_microbatches": m,
+                    "stages": [{"layers": [0, config.num_layers], "devices": [f"n{i}:0"]}],
+                }
+                for i in range(world)
+            ],
+        }
+    ).validate()
+    ctx = _join(plan)
+    optim = OptimConfig(lr=3e-4, warmup_steps=2, decay_steps=steps)
+    ours = Trainer(plan, ctx, optim=optim, seed=0)
+    model = build_model(config, seed=0)
+    ddp = DistributedDataParallel(model)
+    ddp_opt = build_optimizer(dict(model.named_parameters()), optim)
+    source = SyntheticTokens(config.vocab_size, seq, seed=0)
+    offset, count = pipeline_samples(plan, ctx.rank)
+    batches = [fetch(source, k * plan.global_batch_size + offset, count).split(mb) for k in range(steps)]
+    tokens = plan.global_batch_size * seq
+
+    def ddp_step(k: int) -> float:
+        ddp_opt.zero_grad(set_to_none=False)
+        loss_sum = 0.0
+        for j, micro in enumerate(batches[k]):
+            with ddp.no_sync() if j < m - 1 else nullcontext():
+                # DDP averages gradients over ranks; times the world size, the sum is the full-batch gradient.
+                loss = cross_entropy_sum(ddp(micro[:, :-1]), micro[:, 1:]) / tokens
+                (loss * world).backward()
+            loss_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        set_lr(ddp_opt, optim.lr_at(k))
+        ddp_opt.step()
+        return loss_sum
+
+    times = {"elastor": [], "ddp": []}
+    losses = {"elastor": [], "ddp": []}
+    for k in range(steps):
+        order = ("elastor", "ddp") if k % 2 == 0 else ("ddp", "elastor")
+        for who in order:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = ours.train_step().loss if who == "elastor" else ddp_step(k)
+            times[who].append(time.perf_counter() - start)
+            losses[who].append(loss)
+    ddp_losses = torch.tensor(losses["ddp"])
+    dist.all_reduce(ddp_losses)
+    ours.close()
+    if ctx.rank == 0:
+        result.write_text(
+            json.dumps({"times": times, "losses": {"elastor": losses["elastor"], "ddp": ddp_losses.tolist()}})
+        )
+    dist.destroy_process_group()
+
+
+def _proc_wchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def _sync_worker(plan_path: Path, result: Path) -> None:
+    import torch.distributed as dist
+
+    from runtime.optim import OptimConfig
+    from runtime.trainer import Trainer
+
+    plan = Plan.from_json(json.loads(plan_path.read_text())).validate()
+    ctx = _join(plan)
+    trainer = Trainer(plan, ctx, optim=OptimConfig(), seed=0)
+    measured = [0]
+    inner = trainer.sync.all_reduce
+
+    def measured_sync() -> None:
+        dist.barrier()
+        before = _proc_wchar()
+        inner()
+        measured[0] += _proc_wchar() - before
+
+    trainer.sync.all_reduce = measured_sync
+    steps = 2
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.close()
+    mine = {
+        "device": ctx.device_name,
+        "measured_bytes": measured[0] / steps,
+        "counted_bytes": trainer.sync.stats.bytes_sent / steps,
+        "collectives": trainer.sync.stats.collectives // steps,
+    }
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.rank == 0:
+        result.write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+def run_dp(procs: int, steps: int, tmp: Path) -> list[dict]:
+    rows = []
+    for case in DP_CASES:
+        result = tmp / f"dp-{case}.json"
+        _torchrun(
+            procs, ["--worker", "dp", "--case", case, "--steps", str(steps), "--result", str(result)], 900
+        )
+        data = json.loads(result.read_text())
+        warm = 2  # the first steps allocate buffers and warm caches on both sides
+        ours, ddp = (statistics.median(data["times"][w][warm:]) for w in ("elastor", "ddp"))
+        best_ours, best_ddp = (min(data["times"][w][warm:]) for w in ("elastor", "ddp"))
+        loss_gap = max(abs(a - b) / abs(b) for a, b in zip(*data["losses"].values(), strict=True))
+        rows.append(
+            {
+                "model": case,
+                "processes": procs,
+                "params": DP_CASES[case][0].param_count,
+                "elastor_step_s": ours,
+                "ddp_step_s": ddp,
+                "ratio": ours / ddp,
+                "best_step_ratio": best_ours / best_ddp,
+                "max_loss_rel_diff": loss_gap,
+                "steps_timed": steps - warm,
+            }
+        )
+    return rows
+
+
+def run_sync(tmp: Path) -> list[dict]:
+    rows = []
+    for name, plan_json in sync_plans().items():
+        plan = Plan.from_json(plan_json).validate()
+        path, result = tmp / "plan.json", tmp / "sync.json"
+        path.write_text(json.dumps(plan_json))
+        _torchrun(plan.world_size, ["--worker", "sync", "--plan", str(path), "--result", str(result)], 600)
+        ranks = json.loads(result.read_text())
+        minimum = minimum_sync_bytes(plan)
+        measured = sum(r["measured_bytes"] for r in ranks)
+        counted = sum(r["counted_bytes"] for r in ranks)
+        rows.append(
+            {
+                "plan": name,
+                "devices": plan.world_size,
+                "collectives_per_rank_max": max(r["collectives"] for r in ranks),
+                "minimum_bytes": minimum,
+                "counted_bytes": counted,
+                "measured_bytes": measured,
+                "counted_over_minimum": counted / minimum if minimum else None,
+                "measured_over_minimum": measured / minimum if minimum else None,
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "runtime_bench.json"))
+    parser.add_argument("--procs", type=int, default=2, help="processes of the DDP comparison (default: 2)")
+    parser.add_argument("--steps", type=int, default=42, help="steps per trainer in the DDP comparison")
+    parser.add_argument("--parts", default="dp,sync", help="which parts to run (default: %(default)s)")
+    parser.add_argument("--worker", choices=("dp", "sync"), help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "dp":
+        _dp_worker(args.case, args.steps, Path(args.result))
+        return 0
+    if args.worker == "sync":
+        _sync_worker(Path(args.plan), Path(args.result))
+        return 0
+
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"dp", "sync"}:
+        raise SystemExit("runtime_bench: --parts takes dp, sync or dp,sync.")
+    with tempfile.TemporaryDirectory() as tmp:
+        dp = run_dp(args.procs, args.steps, Path(tmp)) if "dp" in parts else []
+        sync = run_sync(Path(tmp)) if "sync" in parts else []
+    print(
+        "(1) pure data parallelism: Elastor's runtime vs DistributedDataParallel, same processes and batches"
+    )
+    rows = [("model", "params", "procs", "elastor s/step", "DDP s/step", "ratio", "loss rel diff")]
+    for r in dp:
+        rows.append(
+            (
+                r["model"],
+                f"{r['params']:,}",
+                str(r["processes"]),
+                f"{r['elastor_step_s']:.4f}",
+                f"{r['ddp_step_s']:.4f}",
+                f"{r['ratio']:.3f}",
+                f"{r['max_loss_rel_diff']:.1e}",
+            )
+        )
+    print(format_table(rows))
+    print(f"target: ratio <= {DP_TARGET}\n")
+    print("(2) cross-pipeline gradient sync: bytes sent per step by all ranks together")
+    rows = [("plan", "devices", "minimum", "counted", "measured", "counted/min", "measured/min")]
+    for r in sync:
+        rows.append(
+            (
+                r["plan"],
+                str(r["devices"]),
+                f"{r['minimum_bytes']:,.0f}",
+                f"{r['counted_bytes']:,.0f}",
+                f"{r['measured_bytes']:,.0f}",
+                f"{r['counted_over_minimum']:.4f}" if r["counted_over_minimum"] else "-",
+                f"{r['measured_over_minimum']:.4f}" if r["measured_over_minimum"] else "-",
+            )
+        )
+    print(format_table(rows))
+    print(f"target: measured/min <= {SYNC_TARGET}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "schema_version": 1,
+        "benchmark": "runtime",
+        "time_s": time.time(),
+        "dp_vs_ddp": dp,
+        "dp_target_ratio": DP_TARGET,
+        "sync_bytes": sync,
+        "sync_target_ratio": SYNC_TARGET,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
