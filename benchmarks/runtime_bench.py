@@ -6,7 +6,8 @@ cross-pipeline gradient sync against the minimum the layouts require.
 reference model with the same micro-batches (gradient accumulation under `no_sync`), the same AdamW,
 clipping and schedule. Steps alternate between the two (which one goes first alternates too), after
 a barrier, so machine noise hits both alike; the figure is the ratio of median step times over 40
-steps each (target <= 1.10; on a shared 2-core machine one run varies by about +-5%). Their losses must agree: the comparison is between two ways of computing the same thing.
+steps each (target <= 1.10; on a shared 2-core machine one run varies by about +-5%). Their losses
+must agree: the comparison is between two ways of computing the same thing.
 
 (2) For heterogeneous plans, every rank runs two training steps and measures, around the gradient
 sync only, the bytes its process wrote to its sockets (Linux `/proc/self/io` wchar: what gloo really
