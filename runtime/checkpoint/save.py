@@ -49,7 +49,7 @@ from runtime.checkpoint.load import load_checkpoint, restore
 from runtime.checkpoint.pieces import Piece, Wanted, as_piece
 
 _POLL_S = 0.005
-_WRITE_BYTES = 64 << 20  # one write() call at most; keeps each system call's latency reasonable
+_WRITE_BYTES = 8 << 20  # per write() call: large enough for the disk, small enough not to stall writeback
 
 
 class Checkpointer:
@@ -98,7 +98,8 @@ class Checkpointer:
         self._result: Path | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None  # the newest checkpoint this rank 0 committed
-        # Seconds from save() to this rank's part being durable (rank 0: to the commit) of the last save.
+        # Seconds of the last save from save() until this rank's part was durable (rank 0: committed,
+        # `latest` updated; pruning older checkpoints comes after).
         self.last_save_s: float | None = None
 
     # ---- public API -----------------------------------------------------------------------------
@@ -236,7 +237,6 @@ class _SaveJob:
     def run(self) -> None:
         try:
             self.owner._result = self._run()
-            self.owner.last_save_s = time.perf_counter() - self.started
         except BaseException as e:  # handed to the training loop at its next wait() or save()
             self.owner._error = e
 
@@ -270,11 +270,15 @@ class _SaveJob:
             )
         files = {}
         if self.items:
-            with open(self.tmp / data_name, "wb") as f:
-                for begin in range(0, len(raw), _WRITE_BYTES):
-                    f.write(memoryview(raw[begin : begin + _WRITE_BYTES]))
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(self.tmp / data_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(raw)
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written : written + _WRITE_BYTES])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             files[data_name] = len(raw)
         fragment = {
             "rank": owner.rank,
@@ -287,6 +291,7 @@ class _SaveJob:
             fragment["meta"] = json.loads(self.meta_text)
         store.write_durable(self.tmp / f"fragment-{owner.rank:05d}.json", json.dumps(fragment).encode())
         if owner.rank != 0:
+            owner.last_save_s = time.perf_counter() - self.started
             return None
         path = self._commit()
         owner.last_path = path
@@ -345,6 +350,7 @@ class _SaveJob:
         os.replace(self.tmp, final)
         store.fsync_dir(owner.directory)
         store.point_latest(owner.directory, name)
+        owner.last_save_s = time.perf_counter() - self.started
         store.prune(owner.directory, owner.keep, owner.session)
         return final
 
