@@ -1,1 +1,124 @@
-"""Solver: optimal heterogeneous plans for any set of healthy GPUs (torch-free)."""
+"""Solver: the fastest plan for ANY set of healthy GPUs under the cost model, and the baselines (torch-free).
+
+    solve(profile, cluster, global_batch_size, method="elastor") -> Plan
+
+The plan's `predicted` block is `CostModel.estimate(plan).to_json()`; its `solver` block records the
+method, the status (OPTIMAL: proven fastest of the search space; FEASIBLE: the best found, with the
+proven relative `gap` to a lower bound), the wall time and what was searched.
+
+Search space (issue 4): any number of pipelines on disjoint healthy GPUs; per pipeline any number of
+stages with contiguous, uneven layer ranges; per stage any TP degree that divides the heads and kv
+heads, was profiled and fits on one node (not only powers of two), on one node; an integer number of
+micro-batches per pipeline, at least its number of stages, summing to the global batch over the
+micro-batch size; any profiled micro-batch size dividing the global batch; GPUs may stay idle.
+
+Objective: the cost model's step time, every device within its usable memory.
+
+Method (exact with respect to the cost model), a decomposition:
+  1. solver.templates: an exact dynamic program over the layer list enumerates every pipeline that
+     could be part of an optimal plan: its stages, their TP degrees, which consecutive stages share a
+     node ("runs"), and the layer split, keeping per footprint (the multiset of run sizes) and stage
+     count only the pipelines whose cost line T(m) = A + (m-1) M is lowest for some micro-batch count
+     m at their largest stage's parameter count (which sets gradient-sync and optimizer time).
+  2. solver.master: a CP-SAT model chooses how many pipelines of each template, their micro-batch
+     counts, and a packing of their runs onto nodes (nodes with equal healthy counts form one class,
+     packed by patterns), minimising the slowest pipeline + gradient sync + optimizer step.
+  3. One such problem per micro-batch size and per link scope (one node with intra-node links, or all
+     nodes with inter-node gradient sync); the cheapest answer wins (solver.core).
+  4. solver.placement turns the answer into device names; the cost model prices the final plan, and
+     its step time equals the master's objective (`tests/test_solver_optimality.py` holds both equal to
+     a brute-force enumeration of the whole search space on hundreds of random small instances).
+Symmetry is used throughout: the dynamic program sees per-run GPU counts, never device names, and the
+master sees node classes, never nodes.
+"""
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from costmodel import ClusterSpec, NodeSpec, Plan
+from costmodel.errors import ElastorError
+from costmodel.estimate import CostModel
+from costmodel.profile import ModelProfile
+from solver import baselines
+from solver.core import Limits, Outcome, search, tp_degrees, usable_micro_batch_sizes
+from solver.diagnose import infeasible_reason
+
+METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
+DEFAULT_TIME_LIMIT_S = 30.0
+
+
+def solve(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    method: str = "elastor",
+    micro_batch_sizes: Sequence[int] | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    *,
+    limits: Limits | None = None,
+) -> Plan:
+    """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists."""
+    started = time.perf_counter()
+    if method not in METHODS:
+        raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
+    if global_batch_size < 1:
+        raise ElastorError(f"The global batch size must be a positive integer, not {global_batch_size}.")
+    sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
+    info: dict = {"method": method}
+    if method == "elastor":
+        outcome = _elastor(profile, cluster, global_batch_size, sizes, time_limit_s, limits)
+        plan = outcome.plan
+    elif method == "node-drop":
+        healthy = fully_healthy(cluster)
+        if healthy is None:
+            raise ElastorError(
+                f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
+                f"has all {max(len(n.gpus) for n in cluster.nodes)} GPUs."
+            )
+        outcome = _elastor(profile, healthy, global_batch_size, sizes, time_limit_s, limits)
+        plan = outcome.plan
+        info["nodes"] = [n.name for n in healthy.nodes]
+    else:
+        family = baselines.uniform if method == "uniform" else baselines.pow2_greedy
+        found = family(profile, cluster, global_batch_size, sizes)
+        plan = found[1] if found else None
+        outcome = None
+    if plan is None:
+        raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
+    estimate = CostModel(profile, cluster).estimate(plan)
+    if outcome is not None:
+        gap = max(0.0, (outcome.objective_s - outcome.bound_s) / outcome.objective_s)
+        info.update(status="OPTIMAL" if outcome.proven else "FEASIBLE", gap=gap)
+        info["templates"] = outcome.num_templates
+        info["complete"] = (limits or Limits()).complete
+    else:
+        info.update(status="OPTIMAL", gap=0.0)  # each baseline family is enumerated in full
+    info["wall_s"] = round(time.perf_counter() - started, 4)
+    return dataclasses.replace(plan, predicted=estimate.to_json(), solver=info)
+
+
+def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
+    return search(
+        profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits or Limits()
+    )
+
+
+def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:
+    """The cluster restricted to nodes with every GPU healthy (as many as the largest node has)."""
+    full = max(len(n.gpus) for n in cluster.nodes)
+    nodes = tuple(NodeSpec(name=n.name, gpus=n.gpus) for n in cluster.nodes if len(n.gpus) == full)
+    if not nodes or full == 0:
+        return None
+    return ClusterSpec(device=cluster.device, nodes=nodes, links=cluster.links)
+
+
+def _reason(profile, cluster, gbs, sizes, method) -> str:
+    reason = infeasible_reason(profile, cluster, gbs, sizes, tp_degrees(profile, cluster))
+    if method in ("uniform", "pow2-greedy") and reason.startswith("No pipeline"):
+        return f"No {method} plan of {profile.model.name} fits on cluster {cluster.short_form()}: " + (
+            "no grid of equal pipelines fits in memory and the batch."
+            if method == "uniform"
+            else "no choice of nominal TP and pipeline count gives pipelines that fit in memory."
+        )
+    return reason

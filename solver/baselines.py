@@ -1,0 +1,239 @@
+"""The plans other systems would run, each the best of its family under the same cost model.
+
+uniform      Megatron-style: one TP x PP x DP grid, every pipeline the same, stages with equal numbers
+             of blocks (the embedding joins the first stage, the head the last), every pipeline the
+             same number of micro-batches, TP groups inside nodes, on as many healthy GPUs as the grid
+             needs; the best (TP, PP, DP, micro-batch size) wins.
+pow2-greedy  the Elastor paper's released heuristic: on every node, power-of-two TP groups of at most
+             the nominal TP, largest first (7 GPUs at TP 4: 4 + 2 + 1); groups, largest first, each
+             go to the pipeline with the fewest GPUs among a fixed number D of pipelines, in that
+             order as stages; layers then balanced per pipeline (the split with the smallest slowest
+             stage, then the smallest sum, whose memory fits), micro-batches split to minimise the
+             slowest pipeline (solved exactly). The best (nominal TP, D, micro-batch size) wins.
+node-drop    (in solver/__init__.py) Elastor's own search on the fully healthy nodes only.
+"""
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import numpy as np
+
+from costmodel import ClusterSpec, Pipeline, Plan, Stage
+from costmodel.estimate import CostModel
+from costmodel.profile import ModelProfile
+from solver.core import overhead, tp_degrees
+from solver.master import balance
+from solver.stages import StageTable, stage_table
+
+# A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
+Placed = tuple[int, int, int, int, int]
+
+
+def _pipeline_time(tables: dict[int, StageTable], stages: Sequence[Placed], m: int) -> float:
+    times = [tables[tp].time_s[s][e] for s, e, tp, _, _ in stages]
+    p2p = [
+        (tables[a[2]].p2p_inter_s if a[3] != b[3] else tables[a[2]].p2p_intra_s)[a[1]]
+        for a, b in pairwise(stages)
+    ]
+    return sum(times) + 2 * sum(p2p) + (m - 1) * max(times)
+
+
+def _fits(tables: dict[int, StageTable], stages: Sequence[Placed]) -> bool:
+    p = len(stages)
+    return all(tables[tp].max_in_flight[s][e] >= p - i for i, (s, e, tp, _, _) in enumerate(stages))
+
+
+def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> float:
+    """Step time of a plan from the stage tables: slowest pipeline + sync + optimizer (as estimate)."""
+    nodes = {st[3] for pipe in pipes for st in pipe}
+    widest = max(
+        ((tables[tp].params[s][e], tables[tp].optimizer_s[s][e]) for pipe in pipes for s, e, tp, *_ in pipe)
+    )
+    slowest = max(_pipeline_time(tables, pipe, m) for pipe, m in zip(pipes, counts, strict=True))
+    return slowest + overhead(cm, len(nodes) > 1)(len(pipes), *widest)
+
+
+def _plan(profile, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:
+    built = []
+    for pipe, m in zip(pipes, counts, strict=True):
+        stages = []
+        for s, e, tp, node, first in pipe:
+            n = cluster.nodes[node]
+            stages.append(
+                Stage(layers=(s, e), devices=tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
+            )
+        built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
+    plan = Plan(
+        model=profile.model,
+        global_batch_size=gbs,
+        micro_batch_size=mbs,
+        seq_len=profile.seq_len,
+        pipelines=tuple(built),
+    )
+    return plan.validate(cluster)
+
+
+def equal_split(num_blocks: int, stages: int) -> list[tuple[int, int]] | None:
+    """Layer ranges of `stages` stages with blocks as equal as possible (first ones get the extra)."""
+    if stages > max(num_blocks, 1):
+        return None
+    bounds, start = [], 0
+    for i in range(stages):
+        blocks = num_blocks // stages + (1 if i < num_blocks % stages else 0)
+        end = start + blocks + (1 if i == 0 else 0) + (1 if i == stages - 1 else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def uniform(
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int]
+) -> tuple[float, Plan] | None:
+    cm = CostModel(profile, cluster)
+    model = profile.model
+    best = None
+    for mbs in sizes:
+        N = gbs // mbs
+        tables = {t: stage_table(cm, t, mbs) for t in tp_degrees(profile, cluster)}
+        for tp in tables:
+            groups = [(i, g * tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // tp)]
+            for pp in range(1, len(groups) + 1):
+                split = equal_split(model.num_blocks, pp)
+                if split is None:
+                    break
+                for dp in range(1, len(groups) // pp + 1):
+                    if N % dp or N // dp < pp:
+                        continue
+                    pipes = [
+                        [(s, e, tp, *groups[j * pp + i]) for i, (s, e) in enumerate(split)] for j in range(dp)
+                    ]
+                    if not _fits(tables, pipes[0]):
+                        break  # more pipelines do not change a stage's memory
+                    counts = [N // dp] * dp
+                    cost = _score(cm, tables, pipes, counts)
+                    if best is None or cost < best[0]:
+                        best = (cost, (mbs, pipes, counts))
+    if best is None:
+        return None
+    cost, (mbs, pipes, counts) = best
+    return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
+
+
+def balanced_split(
+    arrays: dict[int, tuple[np.ndarray, np.ndarray]], tps: Sequence[int], num_layers: int
+) -> list[tuple[int, int]] | None:
+    """Layer ranges for stages of the given TP degrees (front to back) that fit in memory, with the
+    smallest slowest stage and then the smallest sum of stage times (exact, over all splits).
+
+    `arrays[t]` = (time_s, max_in_flight) as [s, e] arrays. For a threshold x on stage time:
+    best_i[e] = least sum of times of stages 0..i-1 covering [0, e) with every stage at most x
+    (best_0 = 0 at e = 0); the smallest feasible x is found by bisection over the distinct times.
+    """
+    p = len(tps)
+    if p > num_layers:
+        return None
+    masks = [arrays[t][1] >= p - i for i, t in enumerate(tps)]
+
+    def cover(limit: float):
+        best = np.full(num_layers + 1, np.inf)
+        best[0] = 0.0
+        choices = []
+        for i, t in enumerate(tps):
+            time = arrays[t][0]
+            cost = np.where(masks[i] & (time <= limit) & np.triu(np.ones_like(masks[i]), 1), time, np.inf)
+            total = best[:, None] + cost  # [start, end]
+            choices.append(np.argmin(total, axis=0))
+            best = total.min(axis=0)
+        if not np.isfinite(best[num_layers]):
+            return None
+        bounds, end = [], num_layers
+        for i in range(p - 1, -1, -1):
+            start = int(choices[i][end])
+            bounds.append((start, end))
+            end = start
+        return bounds[::-1]
+
+    times = np.unique(np.concatenate([arrays[t][0][np.triu_indices(num_layers + 1, 1)] for t in set(tps)]))
+    if cover(times[-1]) is None:
+        return None
+    lo, hi = 0, len(times) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cover(times[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return cover(times[lo])
+
+
+def pow2_groups(cluster: ClusterSpec, nominal: int, allowed: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(size, node index, first GPU index) of every node's power-of-two TP groups, largest first."""
+    sizes = sorted((t for t in allowed if t & (t - 1) == 0 and t <= nominal), reverse=True)
+    groups = []
+    for i, node in enumerate(cluster.nodes):
+        left, first = len(node.gpus), 0
+        for size in sizes:
+            while left >= size:
+                groups.append((size, i, first))
+                left, first = left - size, first + size
+    return sorted(groups, key=lambda g: -g[0])
+
+
+def pow2_greedy(
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int]
+) -> tuple[float, Plan] | None:
+    cm = CostModel(profile, cluster)
+    L = profile.model.num_layers
+    best = None
+    for mbs in sizes:
+        N = gbs // mbs
+        allowed = tp_degrees(profile, cluster)
+        tables = {t: stage_table(cm, t, mbs) for t in allowed}
+        arrays = {t: (np.array(tab.time_s), np.array(tab.max_in_flight)) for t, tab in tables.items()}
+        splits: dict[tuple[int, ...], list | None] = {}
+        for nominal in [t for t in allowed if t & (t - 1) == 0]:
+            groups = pow2_groups(cluster, nominal, allowed)
+            for D in range(1, len(groups) + 1):
+                members: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
+                for g in groups:
+                    min(members, key=lambda m: sum(x[0] for x in m)).append(g)
+                pipes = []
+                for member in members:
+                    key = tuple(x[0] for x in member)
+                    if key not in splits:
+                        splits[key] = balanced_split(arrays, key, L)
+                    if not member or splits[key] is None:
+                        break
+                    pipes.append(
+                        [
+                            (s, e, size, node, first)
+                            for (s, e), (size, node, first) in zip(splits[key], member, strict=True)
+                        ]
+                    )
+                else:
+                    counts = _balance_placed(tables, pipes, N)
+                    if counts is None:
+                        continue
+                    cost = _score(cm, tables, pipes, counts)
+                    if best is None or cost < best[0]:
+                        best = (cost, (mbs, pipes, counts))
+    if best is None:
+        return None
+    cost, (mbs, pipes, counts) = best
+    return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
+
+
+class _Line:
+    """A pipeline's time as a function of its micro-batches, for `balance`."""
+
+    def __init__(self, tables, stages):
+        self.num_stages = len(stages)
+        self._zero = _pipeline_time(tables, stages, 1)
+        self._step = max(tables[tp].time_s[s][e] for s, e, tp, _, _ in stages)
+
+    def time_s(self, m: int) -> float:
+        return self._zero + (m - 1) * self._step
+
+
+def _balance_placed(tables, pipes, N: int) -> list[int] | None:
+    return balance([_Line(tables, p) for p in pipes], N) if pipes else None

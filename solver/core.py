@@ -1,0 +1,151 @@
+"""Elastor's method: exact templates (solver.templates) and the CP-SAT master (solver.master), per
+micro-batch size and link scope, keeping the cheapest plan.
+
+Link scope: the cost model synchronises gradients over inter-node links whenever the plan spans more
+than one node. The solver therefore solves two problems and keeps the better: plans on one node (the
+largest; intra-node links everywhere), and plans on all nodes priced with inter-node links (a plan of
+this kind that happens to use one node is only over-priced, and the first problem covers it).
+"""
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from costmodel import ClusterSpec, Plan
+from costmodel.estimate import CostModel, StageCost
+from costmodel.profile import ModelProfile
+from solver.master import MasterResult, lower_bound, solve_master
+from solver.placement import place
+from solver.stages import StageTable, stage_table
+from solver.templates import generate
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on the template search; None everywhere enumerates the whole search space."""
+
+    max_gpus: int | None = None  # per pipeline
+    max_runs: int | None = None  # node runs per pipeline
+    max_stages: int | None = None  # per pipeline
+
+    @property
+    def complete(self) -> bool:
+        return self.max_gpus is None and self.max_runs is None and self.max_stages is None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The best plan found and what is proven about it."""
+
+    plan: Plan | None
+    objective_s: float
+    bound_s: float  # no plan of the searched space is faster
+    proven: bool  # every sub-problem solved to optimality (or shown not to beat the plan)
+    num_templates: int
+
+
+def tp_degrees(profile: ModelProfile, cluster: ClusterSpec) -> list[int]:
+    """TP degrees the profile measured that divide the heads and kv heads and fit on a node."""
+    model = profile.model
+    largest = max(len(n.gpus) for n in cluster.nodes)
+    return [
+        t
+        for t in profile.tp_degrees()
+        if model.num_heads % t == 0 and model.num_kv_heads % t == 0 and t <= largest
+    ]
+
+
+def usable_micro_batch_sizes(
+    profile: ModelProfile, global_batch_size: int, wanted: Sequence[int] | None
+) -> list[int]:
+    """The wanted (default: all profiled) micro-batch sizes that were profiled and divide the batch."""
+    sizes = profile.micro_batch_sizes() if wanted is None else sorted(set(wanted))
+    return [b for b in sizes if global_batch_size % b == 0 and b in profile.micro_batch_sizes()]
+
+
+def overhead(cm: CostModel, inter_node: bool):
+    """Gradient sync of the stage holding `params` parameters across P pipelines, plus its optimizer
+    step: the part of a step that follows the slowest pipeline (costmodel.estimate)."""
+
+    def cost(num_pipelines: int, params: int, optimizer_s: float) -> float:
+        widest = StageCost(
+            start=0,
+            end=0,
+            tp=1,
+            compute_fwd_s=0.0,
+            compute_bwd_s=0.0,
+            tp_comm_fwd_s=0.0,
+            tp_comm_bwd_s=0.0,
+            param_count=params,
+            activation_bytes=0,
+            transient_bytes=0,
+            boundary_bytes=0,
+            optimizer_s=optimizer_s,
+        )
+        return cm.sync_s(widest, num_pipelines, inter_node) + optimizer_s
+
+    return cost
+
+
+def search(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    *,
+    micro_batch_sizes: Sequence[int],
+    time_limit_s: float,
+    limits: Limits = Limits(),
+    upper_bound_s: float = math.inf,
+) -> Outcome:
+    """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan."""
+    started = time.perf_counter()
+    cm = CostModel(profile, cluster)
+    tps = tp_degrees(profile, cluster)
+    capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
+    scopes = [True, False] if len(capacities) > 1 else [False]  # inter-node links?
+    jobs = [(b, s) for b in micro_batch_sizes if global_batch_size % b == 0 for s in scopes]
+    best: tuple[float, int, MasterResult] | None = None
+    bounds, proven, num_templates = [], True, 0
+    tables_for: dict[int, dict[int, StageTable]] = {}
+    for done, (mbs, inter) in enumerate(jobs):
+        if mbs not in tables_for:
+            tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
+        incumbent = min(upper_bound_s, best[0] if best else math.inf)
+        nodes = capacities if inter else [max(capacities)]
+        templates = generate(
+            tables_for[mbs],
+            profile.model.num_layers,
+            nodes,
+            single_node=not inter,
+            max_gpus=limits.max_gpus,
+            max_runs=limits.max_runs,
+            max_stages=limits.max_stages,
+            time_bound_s=incumbent,
+        )
+        num_templates += len(templates)
+        if not templates:
+            continue
+        bound = lower_bound(templates, nodes, global_batch_size // mbs)
+        if bound >= incumbent:
+            bounds.append(bound)
+            continue
+        left = time_limit_s - (time.perf_counter() - started)
+        result, bound, closed = solve_master(
+            templates,
+            nodes,
+            global_batch_size // mbs,
+            overhead(cm, inter),
+            single_node=not inter,
+            time_limit_s=left / (len(jobs) - done),
+            upper_bound_s=incumbent,
+        )
+        bounds.append(bound)
+        proven = proven and closed
+        if result is not None and (best is None or result.objective_s < best[0]):
+            best = (result.objective_s, mbs, result)
+    if best is None:
+        return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates)
+    objective, mbs, result = best
+    plan = place(profile, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
+    return Outcome(plan, objective, min([objective, *bounds]), proven and limits.complete, num_templates)

@@ -1,0 +1,97 @@
+"""The cost model's stage costs for every layer range at once, as tables the planner can index fast.
+
+`CostModel.stage(start, end, tp, mbs)` builds one `StageCost` at a time; a planner looks at every range
+[s, e) of the layer list (3,403 of them for llama2-70b) at every TP degree. This module asks the cost
+model for the single-layer stages [i, i+1) only and combines them the way `CostModel._stage` does:
+times, TP collectives, activation bytes and parameters add up over layers, the transient working
+memory is the largest layer's, the boundary is the last layer's output. One exception: with tied
+embeddings a stage holding the head but not the embedding keeps a copy of the embedding, which the
+single-layer head stage counts, so the whole-model range [0, L) is taken from the cost model directly.
+`tests/test_solver_stages.py` holds every entry equal to `CostModel.stage`.
+
+The combined fields are numpy arrays indexed [s, e], wrapped in a `StageCost` so that its own methods
+(`fwd_s`, `memory_bytes`, ...) and the cost model's `p2p_s` compute on them: the formulas stay in
+`costmodel/estimate.py`.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel.estimate import CostModel, StageCost
+
+NO_FIT = -1  # `max_in_flight` of a stage that does not fit even without activations
+UNBOUNDED = 1 << 40  # `max_in_flight` of a stage that keeps no activations
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """Every stage [s, e) of the layer list at one TP degree and micro-batch size (lists of lists).
+
+    time_s[s][e]: forward + backward per micro-batch, TP collectives included.
+    params[s][e]: parameters the device holds (sets gradient-sync and optimizer time).
+    max_in_flight[s][e]: the most micro-batches whose activations fit next to everything else the
+        stage keeps (NO_FIT if none); 1F1B makes stage s of p hold p - s of them.
+    p2p_intra_s[e], p2p_inter_s[e]: sending one micro-batch's boundary from a stage ending at e.
+    """
+
+    tp: int
+    micro_batch_size: int
+    time_s: list[list[float]]
+    params: list[list[int]]
+    max_in_flight: list[list[int]]
+    p2p_intra_s: list[float]
+    p2p_inter_s: list[float]
+    optimizer_s: list[list[float]]
+
+
+def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
+    """A `StageCost` whose fields are [s, e] arrays over all ranges (entries with e <= s are 0)."""
+    num_layers = cm.model.num_layers
+    singles = [cm.stage(i, i + 1, tp, mbs) for i in range(num_layers)]
+
+    def summed(field: str) -> np.ndarray:
+        prefix = np.concatenate([[0.0], np.cumsum([float(getattr(c, field)) for c in singles])])
+        return np.triu(prefix[None, :] - prefix[:, None])
+
+    transient = np.zeros((num_layers + 1, num_layers + 1))
+    for s in range(num_layers):
+        transient[s, s + 1 :] = np.maximum.accumulate([c.transient_bytes for c in singles[s:]])
+    boundary = np.array([0.0] + [float(c.boundary_bytes) for c in singles])
+    params, optimizer = summed("param_count"), summed("optimizer_s")
+    whole = cm.stage(0, num_layers, tp, mbs)
+    params[0, num_layers], optimizer[0, num_layers] = whole.param_count, whole.optimizer_s
+    return StageCost(
+        start=0,
+        end=num_layers,
+        tp=tp,
+        compute_fwd_s=summed("compute_fwd_s"),
+        compute_bwd_s=summed("compute_bwd_s"),
+        tp_comm_fwd_s=summed("tp_comm_fwd_s"),
+        tp_comm_bwd_s=summed("tp_comm_bwd_s"),
+        param_count=params,
+        activation_bytes=summed("activation_bytes"),
+        transient_bytes=transient,
+        boundary_bytes=np.broadcast_to(boundary[None, :], (num_layers + 1, num_layers + 1)),
+        optimizer_s=optimizer,
+    )
+
+
+def stage_table(cm: CostModel, tp: int, mbs: int) -> StageTable:
+    grid = stage_grid(cm, tp, mbs)
+    idle = np.rint(sum(grid.memory_bytes(0).values())).astype(np.int64)
+    # What one more micro-batch in flight adds: its activations (the peak is linear in the count).
+    per_micro_batch = np.rint(sum(grid.memory_bytes(1).values())).astype(np.int64) - idle
+    room = cm.usable_memory_bytes - idle
+    fits = np.where(per_micro_batch > 0, room // np.maximum(per_micro_batch, 1), UNBOUNDED)
+    fits = np.where(room >= 0, np.minimum(fits, UNBOUNDED), NO_FIT)
+    return StageTable(
+        tp=tp,
+        micro_batch_size=mbs,
+        time_s=np.asarray(grid.fwd_s + grid.bwd_s).tolist(),
+        params=np.rint(np.asarray(grid.param_count)).astype(np.int64).tolist(),
+        max_in_flight=fits.tolist(),
+        p2p_intra_s=np.asarray(cm.p2p_s(grid, inter_node=False))[0].tolist(),
+        p2p_inter_s=np.asarray(cm.p2p_s(grid, inter_node=True))[0].tolist(),
+        optimizer_s=np.asarray(grid.optimizer_s).tolist(),
+    )

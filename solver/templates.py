@@ -1,0 +1,272 @@
+"""Pipeline templates: every pipeline worth considering, built by an exact dynamic program over layers.
+
+A template is one pipeline's structure: its stages front to back (layer range, TP degree), grouped
+into *runs* of consecutive stages that share a node, and the four numbers the plan's cost needs:
+
+    A  = sum_s (F_s + B_s) + 2 sum_s c_s     warm-up and cool-down (c_s: p2p, intra-node inside a
+                                             run, inter-node between runs)
+    M  = max_s (F_s + B_s)                   the steady state's pace
+    W  = max_s params_s                      sets gradient-sync and optimizer time (with O, the
+    O  = max_s optimizer_s                   optimizer time of that stage)
+
+so that the pipeline takes T(m) = A + (m - 1) M for m >= p micro-batches (costmodel.estimate). Its
+footprint is the multiset of its runs' GPU counts: the master problem packs runs onto nodes.
+
+Dynamic program (labels, built from the back of the pipeline, because stage s of p keeps p - s
+micro-batches in flight and that count is known from the back):
+
+    state      (l, k, R, u): layers [l, L) are covered by k stages; R is the sorted tuple of the GPU
+               counts of completed runs, u the GPUs of the run holding the front-most stage so far.
+    label      (A, M, W, O) of one partial pipeline in that state, plus its stages.
+    base case  the last stage [s, L) at TP t: state (s, 1, (), t), label (F+B, F+B, params, opt),
+               if its memory with 1 micro-batch in flight fits.
+    transition prepend stage [s, l) at TP t whose memory fits with k + 1 micro-batches in flight:
+               same node   (s, k+1, R, u+t),               A += F+B + 2 c_intra(l), if u+t fits a node
+               new node    (s, k+1, sorted(R + (u,)), t),  A += F+B + 2 c_inter(l)
+               M = max(M, F+B), W = max(W, params), O = max(O, opt).
+    keep       per state, the labels no other label beats in all of A, M and W (Pareto set): a label
+               beaten in all three can only lead to pipelines beaten in all three.
+    result     states with l = 0: footprint R + (u,), p = k stages.
+
+Every partial footprint must fit on the cluster's nodes on its own (bin packing), otherwise the state
+is dropped. A template is then kept only if, among templates of its footprint and stage count with
+W no larger, its line T(m) = A + (m-1) M is below every other for some m >= p (lower envelope).
+Options `max_gpus`, `max_runs` and `max_stages` bound the search for very large instances; left at
+None the program enumerates the whole search space and is exact (`tests/test_solver_optimality.py`).
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from itertools import pairwise
+
+from solver.stages import StageTable
+
+
+@dataclass(frozen=True)
+class Template:
+    """One pipeline's structure and its cost terms (module docstring)."""
+
+    stages: tuple[tuple[int, int, int], ...]  # (start, end, tp), front to back
+    runs: tuple[int, ...]  # run index of each stage: stages of one run share a node
+    pipeline_s: float  # A
+    bottleneck_s: float  # M
+    max_params: int  # W
+    optimizer_s: float  # O
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def run_sizes(self) -> tuple[int, ...]:
+        """GPUs of each run, in pipeline order."""
+        sizes = [0] * (self.runs[-1] + 1)
+        for (_, _, tp), run in zip(self.stages, self.runs, strict=True):
+            sizes[run] += tp
+        return tuple(sizes)
+
+    @property
+    def footprint(self) -> tuple[int, ...]:
+        return tuple(sorted(self.run_sizes, reverse=True))
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(tp for _, _, tp in self.stages)
+
+    def time_s(self, m: int) -> float:
+        return self.pipeline_s + (m - 1) * self.bottleneck_s
+
+
+class Packer:
+    """Whether a multiset of runs (GPU counts) fits on nodes of the given capacities: exact bin packing.
+
+    Nodes with the same free capacity are interchangeable, so the search branches on distinct free
+    capacities only; results are cached per multiset.
+    """
+
+    def __init__(self, capacities: Sequence[int]):
+        self.capacities = tuple(sorted(capacities, reverse=True))
+
+    def fits(self, runs: tuple[int, ...]) -> bool:
+        return self._fits(tuple(sorted(runs, reverse=True)))
+
+    @cache  # noqa: B019 - one Packer per solve; the cache is the point
+    def _fits(self, runs: tuple[int, ...]) -> bool:
+        if sum(runs) > sum(self.capacities) or (runs and runs[0] > self.capacities[0]):
+            return False
+        return _pack(runs, self.capacities)
+
+
+def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
+    if not runs:
+        return True
+    first, rest = runs[0], runs[1:]
+    tried = set()
+    for i, room in enumerate(free):
+        if room >= first and room not in tried:
+            tried.add(room)
+            left = tuple(sorted((*free[:i], room - first, *free[i + 1 :]), reverse=True))
+            if _pack(rest, left):
+                return True
+    return False
+
+
+def _insert(labels: list, new: tuple) -> None:
+    """Add `new` = (A, M, W, O, chain) to a Pareto set over (A, M, W) unless a label beats it."""
+    a, m, w = new[0], new[1], new[2]
+    for old in labels:
+        if old[0] <= a and old[1] <= m and old[2] <= w:
+            return
+    labels[:] = [old for old in labels if not (a <= old[0] and m <= old[1] and w <= old[2])]
+    labels.append(new)
+
+
+def generate(
+    tables: dict[int, StageTable],
+    num_layers: int,
+    node_capacities: Sequence[int],
+    *,
+    single_node: bool = False,
+    max_gpus: int | None = None,
+    max_runs: int | None = None,
+    max_stages: int | None = None,
+    time_bound_s: float = math.inf,
+) -> list[Template]:
+    """Templates for pipelines on nodes of `node_capacities` (module docstring).
+
+    With `single_node`, pipelines have one run (the plan lives on one node). `time_bound_s` drops
+    partial pipelines that cannot finish within it even with the fewest micro-batches (m = p):
+    A + (p - 1) M, bounded below by the partial A, the least time to cover the remaining layers and
+    k M, exceeds it.
+    """
+    L = num_layers
+    tps = sorted(tables)
+    packer = Packer(node_capacities)
+    largest = max(node_capacities)
+    gpu_limit = min(max_gpus or sum(node_capacities), largest if single_node else sum(node_capacities))
+    run_limit = 1 if single_node else (max_runs or gpu_limit)
+    stage_limit = max_stages or gpu_limit
+    # Least time to cover layers [0, l) with any stages: bounds what a partial pipeline still needs.
+    rest = [0.0] * (L + 1)
+    for e in range(1, L + 1):
+        rest[e] = min(rest[s] + min(tables[t].time_s[s][e] for t in tps) for s in range(e))
+
+    states: list[dict[tuple, list]] = [{} for _ in range(L + 1)]
+    for t in tps:
+        if t > gpu_limit:
+            continue
+        tab = tables[t]
+        for s in range(L):
+            if tab.max_in_flight[s][L] >= 1:
+                time = tab.time_s[s][L]
+                if time + rest[s] > time_bound_s:
+                    continue
+                label = (time, time, tab.params[s][L], tab.optimizer_s[s][L], ((s, L, t, True), None))
+                _insert(states[s].setdefault((1, (), t), []), label)
+
+    for ell in range(L - 1, 0, -1):
+        for (k, runs, u), labels in states[ell].items():
+            if k >= stage_limit:
+                continue
+            used = sum(runs) + u
+            for t in tps:
+                if used + t > gpu_limit:
+                    continue
+                tab = tables[t]
+                moves = []
+                if u + t <= largest and packer.fits((*runs, u + t)):
+                    moves.append(((k + 1, runs, u + t), 2 * tab.p2p_intra_s[ell], True))
+                if len(runs) + 1 < run_limit and packer.fits((*runs, u, t)):
+                    key = (k + 1, tuple(sorted((*runs, u), reverse=True)), t)
+                    moves.append((key, 2 * tab.p2p_inter_s[ell], False))
+                if not moves:
+                    continue
+                for s in range(ell):
+                    if tab.max_in_flight[s][ell] <= k:
+                        continue
+                    time, params, opt = tab.time_s[s][ell], tab.params[s][ell], tab.optimizer_s[s][ell]
+                    for key, p2p, same in moves:
+                        target = None
+                        for a, m, w, o, chain in labels:
+                            a2, m2 = a + time + p2p, (m if m > time else time)
+                            if a2 + rest[s] + k * m2 > time_bound_s:
+                                continue
+                            if target is None:
+                                target = states[s].setdefault(key, [])
+                            w2, o2 = (w, o) if w >= params else (params, opt)
+                            _insert(target, (a2, m2, w2, o2, ((s, ell, t, same), chain)))
+
+    found: dict[tuple, list[Template]] = {}
+    for (k, runs, u), labels in states[0].items():
+        footprint = tuple(sorted((*runs, u), reverse=True))
+        for a, m, w, o, chain in labels:
+            found.setdefault((footprint, k), []).append(_template(chain, a, m, w, o))
+    return [t for group in found.values() for t in lower_envelope(group)]
+
+
+def _template(chain, a: float, m: float, w: int, o: float) -> Template:
+    """Unwind a label's chain (front-most stage first) into a Template."""
+    stages, runs, run = [], [], 0
+    while chain is not None:
+        (s, e, t, same_as_next), chain = chain
+        stages.append((s, e, t))
+        runs.append(run)
+        if not same_as_next:
+            run += 1
+    return Template(tuple(stages), tuple(runs), a, m, w, o)
+
+
+def lower_envelope(group: list[Template]) -> list[Template]:
+    """The templates (same footprint and stage count) that are best for some m >= p at their W.
+
+    T(m) = A + (m-1) M is a line in lam = m - 1 >= p - 1. A template is kept if its line lies strictly
+    below the lower envelope of the other templates with W no larger somewhere in [p - 1, inf). The
+    difference of a line and a lower envelope is convex and piecewise linear, so it is enough to look
+    at lam = p - 1, at the envelope's breakpoints beyond it, and at infinity.
+    """
+    unique = list({(t.pipeline_s, t.bottleneck_s, t.max_params): t for t in reversed(group)}.values())
+    lam0 = unique[0].num_stages - 1
+    keep = []
+    for cand in unique:
+        rivals = [
+            (o.pipeline_s, o.bottleneck_s)
+            for o in unique
+            if o is not cand and o.max_params <= cand.max_params
+        ]
+        if _below_somewhere(cand.pipeline_s, cand.bottleneck_s, rivals, lam0):
+            keep.append(cand)
+    return keep
+
+
+def _below_somewhere(a: float, m: float, rivals: list[tuple[float, float]], lam0: float) -> bool:
+    if not rivals:
+        return True
+    # At infinity the rival with the smallest slope (then intercept) is lowest.
+    if all(m < rm or (m == rm and a < ra) for ra, rm in rivals):
+        return True
+    points = [lam0, *(x for x in _breakpoints(rivals) if x > lam0)]
+    return any(a + x * m < min(ra + x * rm for ra, rm in rivals) for x in points)
+
+
+def _breakpoints(lines: list[tuple[float, float]]) -> list[float]:
+    """Where the lower envelope of lines a + lam m changes line (convex hull trick)."""
+    best: dict[float, float] = {}
+    for a, m in lines:
+        best[m] = min(a, best.get(m, math.inf))
+    hull: list[tuple[float, float]] = []  # slopes decreasing: later lines win for larger lam
+    for m, a in sorted(best.items(), reverse=True):
+        while hull:
+            a1, m1 = hull[-1]
+            if a <= a1:  # smaller slope and intercept: the previous line never wins again
+                hull.pop()
+                continue
+            if len(hull) >= 2:
+                a0, m0 = hull[-2]
+                if (a - a1) * (m0 - m1) <= (a1 - a0) * (m1 - m):  # crosses before the last did
+                    hull.pop()
+                    continue
+            break
+        hull.append((a, m))
+    return [(a2 - a1) / (m1 - m2) for (a1, m1), (a2, m2) in pairwise(hull)]

@@ -1,0 +1,152 @@
+"""A slow, obviously correct planner: enumerate every plan of the search space, score each, keep the best.
+
+The search space (issue 4): any number of pipelines on disjoint healthy GPUs; each pipeline any number
+of stages with contiguous layer ranges covering the model; each stage one TP degree (dividing the
+heads and kv heads, profiled, at most a node) on one node; an integer number of micro-batches per
+pipeline, at least its number of stages, summing to the global batch over the micro-batch size; GPUs
+may stay idle. Nothing is pruned: every pipeline is listed, every multiset of pipelines that fits the
+nodes, every split of the micro-batches.
+
+Scoring uses the cost model's own pieces exactly as `CostModel.estimate` combines them (slowest
+pipeline + slowest gradient sync + slowest optimizer step, every stage's memory within the usable
+memory); the best plan is then built and `CostModel.estimate` must agree with its score.
+
+Which GPUs of a node a stage gets does not matter to the cost model (it compares node names only), so
+a stage is listed by its node and the plan takes the node's GPUs in order.
+"""
+
+import math
+from dataclasses import dataclass
+
+from costmodel import ClusterSpec, Pipeline, Plan, Stage
+from costmodel.estimate import CostModel, in_flight, pipeline_time_s
+from costmodel.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stages: tuple[tuple[int, int, int, int], ...]  # (start, end, tp, node index)
+    usage: tuple[int, ...]  # GPUs per node
+    times: dict  # m -> pipeline time
+    costs: tuple  # StageCost per stage
+
+
+def pipelines(cm: CostModel, capacities: list[int], tps: list[int], mbs: int, max_m: int) -> list[Candidate]:
+    """Every pipeline whose stages fit in memory and whose GPUs fit on the nodes."""
+    L = cm.model.num_layers
+    out = []
+
+    def extend(start: int, stages: list, usage: list[int]) -> None:
+        if start == L:
+            out.append(_score(cm, tuple(stages), tuple(usage), mbs, max_m))
+            return
+        for end in range(start + 1, L + 1):
+            for tp in tps:
+                for node, free in enumerate(capacities):
+                    if usage[node] + tp <= free:
+                        usage[node] += tp
+                        extend(end, [*stages, (start, end, tp, node)], usage)
+                        usage[node] -= tp
+
+    extend(0, [], [0] * len(capacities))
+    return [c for c in out if c is not None]
+
+
+def _score(cm: CostModel, stages, usage, mbs: int, max_m: int) -> Candidate | None:
+    p = len(stages)
+    costs = tuple(cm.stage(s, e, tp, mbs) for s, e, tp, _ in stages)
+    for i, c in enumerate(costs):  # memory with p - i micro-batches in flight (any m >= p)
+        if sum(c.memory_bytes(in_flight(i, p, p)).values()) > cm.usable_memory_bytes:
+            return None
+    p2p = [cm.p2p_s(costs[i], stages[i][3] != stages[i + 1][3]) for i in range(p - 1)]
+    times = {
+        m: pipeline_time_s([c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, m)
+        for m in range(p, max_m + 1)
+    }
+    return Candidate(stages, usage, times, costs)
+
+
+def best_plan(
+    profile: ModelProfile, cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]
+) -> tuple[float, Plan | None]:
+    """The fastest plan of the whole search space, by enumeration: (step time, plan)."""
+    cm = CostModel(profile, cluster)
+    model = profile.model
+    capacities = [len(n.gpus) for n in cluster.nodes]
+    tps = [
+        t
+        for t in profile.tp_degrees()
+        if model.num_heads % t == 0 and model.num_kv_heads % t == 0 and t <= max(capacities)
+    ]
+    best: tuple[float, Plan | None] = (math.inf, None)
+    for mbs in micro_batch_sizes:
+        if global_batch_size % mbs:
+            continue
+        N = global_batch_size // mbs
+        score, chosen, counts = _best_multiset(cm, pipelines(cm, capacities, tps, mbs, N), capacities, N)
+        if score < best[0]:
+            best = (score, _plan(profile, cluster, global_batch_size, mbs, chosen, counts))
+    return best
+
+
+def _best_multiset(cm: CostModel, cands: list[Candidate], capacities: list[int], N: int):
+    """Every multiset of candidate pipelines that fits the nodes, each with its best split."""
+    best: tuple = (math.inf, None, None)
+
+    def choose(first: int, chosen: list[Candidate], usage: list[int]) -> None:
+        nonlocal best
+        if chosen:
+            score, counts = _best_split(cm, chosen, N)
+            if score < best[0]:
+                best = (score, chosen, counts)
+        for i in range(first, len(cands)):
+            c = cands[i]
+            if all(u + x <= cap for u, x, cap in zip(usage, c.usage, capacities, strict=True)):
+                choose(i, [*chosen, c], [u + x for u, x in zip(usage, c.usage, strict=True)])
+
+    choose(0, [], [0] * len(capacities))
+    return best
+
+
+def _best_split(cm: CostModel, chosen: list[Candidate], N: int) -> tuple[float, list[int] | None]:
+    """Try every split of N micro-batches (each pipeline at least its stage count)."""
+    P = len(chosen)
+    nodes = {node for c in chosen for *_, node in c.stages}
+    multi_node = len(nodes) > 1
+    sync = max(cm.sync_s(cost, P, multi_node) for c in chosen for cost in c.costs)
+    optimizer = max(cost.optimizer_s for c in chosen for cost in c.costs)
+    best: tuple[float, list[int] | None] = (math.inf, None)
+
+    def split(j: int, left: int, counts: list[int], slowest: float) -> None:
+        nonlocal best
+        if j == P - 1:
+            if left in chosen[j].times:
+                score = max(slowest, chosen[j].times[left]) + sync + optimizer
+                if score < best[0]:
+                    best = (score, [*counts, left])
+            return
+        for m in chosen[j].times:
+            if m <= left:
+                split(j + 1, left - m, [*counts, m], max(slowest, chosen[j].times[m]))
+
+    split(0, N, [], 0.0)
+    return best
+
+
+def _plan(profile, cluster, global_batch_size, mbs, chosen: list[Candidate], counts: list[int]) -> Plan:
+    taken = [0] * len(cluster.nodes)
+    pipes = []
+    for c, m in zip(chosen, counts, strict=True):
+        stages = []
+        for start, end, tp, node in c.stages:
+            name, gpus = cluster.nodes[node].name, cluster.nodes[node].gpus[taken[node] : taken[node] + tp]
+            taken[node] += tp
+            stages.append(Stage(layers=(start, end), devices=tuple(f"{name}:{g}" for g in gpus)))
+        pipes.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
+    return Plan(
+        model=profile.model,
+        global_batch_size=global_batch_size,
+        micro_batch_size=mbs,
+        seq_len=profile.seq_len,
+        pipelines=tuple(pipes),
+    )
