@@ -303,7 +303,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str, out: str) 
 
     step()  # creates the AdamW state; warms up
     steps = [timed(step)[0] for _ in range(args.steps)]
-    results["step_s"] = statistics.median(steps)
+    results["steps_s"] = steps
     pieces = state_pieces(model, optimizer, a, rank)
     results["state_bytes_per_rank"] = sum(t.numel() * t.element_size() for *_, t in pieces)
     meshes_a, meshes_b = make_meshes(a, args.procs), make_meshes(b, args.procs)
@@ -313,7 +313,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str, out: str) 
 
     for repeat in range(args.repeats):
         r: dict = {}
-        # A training step while an Elastor save is in flight (it changes the state, so it comes first).
+        # A training step while an Elastor save is in flight (it changes the state, so it comes first),
+        # right after one without: the machine's load drifts.
+        r["step_s"] = timed(step)[0]
         dist.barrier()
         checkpointer.save(repeat, pieces, {"step": repeat})
         r["step_during_elastor_save_s"] = timed(step)[0]
@@ -369,10 +371,13 @@ def summarize(results: dict, disk: dict, args: argparse.Namespace) -> dict:
         return statistics.median(r[key] for r in results["repeats"])
 
     state = results["checkpoint_bytes"]
-    step = results["step_s"]
+    step = statistics.median(results["steps_s"] + [r["step_s"] for r in results["repeats"]])
     summary = {
         "step_s": step,
         "step_during_elastor_save_s": med("step_during_elastor_save_s"),
+        "step_slowdown_during_elastor_save": statistics.median(
+            r["step_during_elastor_save_s"] / r["step_s"] for r in results["repeats"]
+        ),
         "state_bytes": state,
         "disk": disk,
     }
@@ -455,7 +460,7 @@ def table(s: dict) -> str:
     disk = s["disk"]
     return (
         f"state {gb:.2f} GB; training step {s['step_s']:.2f} s "
-        f"({s['step_during_elastor_save_s']:.2f} s while an Elastor save is in flight); "
+        f"(x{s['step_slowdown_during_elastor_save']:.2f} while an Elastor save is in flight); "
         f"dd: write {disk['write_gbps']:.3f} GB/s (conv=fsync), {disk['write_direct_gbps']:.3f} GB/s "
         f"(oflag=direct), read {disk['read_gbps']:.3f} GB/s (cold)\n"
         + format_table(rows)

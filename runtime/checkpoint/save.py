@@ -1,9 +1,10 @@
 """Asynchronous, deduplicated, crash-safe saves: `Checkpointer`.
 
 The training loop calls `save(step, pieces, meta)` and is blocked only while this rank copies the
-parts it writes into a host buffer (pinned and reused across saves on CUDA); checksums, file writes,
-fsyncs and the commit run in a background thread. At most one save is in flight: the next `save`
-first waits for the previous one.
+parts it writes (see `assign`) into a page-aligned host buffer, reused across saves (pinned on CUDA);
+checksums, the file write (O_DIRECT where the file system allows it), fsyncs and the commit run in a
+background thread. At most one save is in flight: the next `save` first waits for the previous one.
+Host memory: one buffer of this rank's share, about the state's size divided by the world size.
 
 Ranks coordinate through the file system, not through collectives: each rank's background thread
 writes its data file and then its index fragment into the save's temporary directory, and rank 0's
