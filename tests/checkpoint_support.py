@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -182,7 +183,8 @@ def gloo_reshard_worker(
 
 
 def crash_worker(rank: int, plan_json: dict, directory: str, session: str, first_step: int, log: str) -> None:
-    """Save steps first_step, first_step + 1, ... back to back until killed; rank 0 logs each commit."""
+    """Save steps first_step, first_step + 1, ... back to back until killed; rank 0 logs each commit.
+    `log`-ready-<rank> appears once the worker is about to save its first step."""
     from runtime.checkpoint import Checkpointer
 
     torch.set_num_threads(1)
@@ -190,6 +192,7 @@ def crash_worker(rank: int, plan_json: dict, directory: str, session: str, first
     checkpointer = Checkpointer(
         directory, plan, rank, keep=2, session=session, chunk_bytes=4096, piece_bytes=1 << 16
     )
+    Path(f"{log}-ready-{rank}").touch()
     step = first_step
     while True:
         checkpointer.save(step, rank_pieces(plan, rank, salt=step), {"step": step})
