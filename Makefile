@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/elastor validate examples/plan-hetero.json --cluster 4,3
+	$(BIN)/elastor demo
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -1,6 +1,7 @@
 """`elastor train --plan PLAN --steps N --metrics FILE`: train from a plan, one process per plan device."""
 
 import argparse
+from pathlib import Path
 
 from costmodel import ElastorError, Plan
 from costmodel.jsonio import read_json
@@ -23,6 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", required=True, help="plan JSON file")
     p.add_argument("--steps", type=int, required=True, help="the global optimizer step to reach")
     p.add_argument("--metrics", required=True, help="metrics JSON-lines file (rank 0 appends to it)")
+    p.add_argument(
+        "--ckpt-dir",
+        help="checkpoint directory: resume from its newest complete checkpoint (any plan), save into it",
+    )
+    p.add_argument(
+        "--ckpt-every", type=int, default=0, help="steps between checkpoints; 0: only at the end (default)"
+    )
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default: %(default)s)")
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        help="stop (with a checkpoint) at this step, before --steps; the schedule still ends at --steps",
+    )
     p.add_argument(
         "--data",
         help="uint16 token file (.bin) or UTF-8 text tokenised by bytes (default: synthetic tokens)",
@@ -53,12 +67,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 0 or args.warmup_steps < 0 or args.lr <= 0 or args.timeout_s <= 0:
-        raise ElastorError("--steps and --warmup-steps must be non-negative, --lr and --timeout-s positive.")
+    if min(args.steps, args.warmup_steps, args.ckpt_every) < 0 or args.lr <= 0 or args.timeout_s <= 0:
+        raise ElastorError(
+            "--steps, --warmup-steps and --ckpt-every must be non-negative, --lr and --timeout-s positive."
+        )
+    if (args.ckpt_every or args.stop_at is not None) and not args.ckpt_dir:
+        raise ElastorError("--ckpt-every and --stop-at need --ckpt-dir.")
     plan = Plan.from_json(read_json(args.plan, "plan")).validate()
 
     import torch.distributed as dist  # torch only for the commands that train
 
+    from runtime.checkpointing import CheckpointHook, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
     from runtime.loop import train
@@ -83,7 +102,20 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
     try:
-        train(trainer, until_step=args.steps, metrics=metrics)
+        ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else None
+        resumed = ckpt_dir is not None and resume(trainer, ckpt_dir, metrics)
+        hook = CheckpointHook(
+            trainer,
+            ckpt_dir,
+            args.ckpt_every,
+            keep=args.keep,
+            metrics=metrics,
+            metrics_path=Path(args.metrics),
+            resumed=resumed,
+        )
+        until = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+        train(trainer, until_step=until, metrics=metrics, after_step=hook)
+        hook.finish()
     finally:
         trainer.close()
         if metrics:

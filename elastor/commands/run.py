@@ -1,0 +1,175 @@
+"""`elastor run`: elastic training; on failure re-plan for the surviving GPUs, resume, and grow back."""
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from costmodel import ClusterSpec, ElastorError, ModelProfile
+from costmodel.jsonio import read_json
+from elastor.commands import subcommand
+
+EXAMPLE = (
+    "elastor run --cluster 2,2 --profile profiles/gpt-tiny-cpu.json --global-batch-size 16 --steps 40 \\\n"
+    "      --ckpt-dir ckpt/ --ckpt-every 5 --inject-failure n1:1@15 --inject-recovery n1:1@30"
+)
+
+# Flags passed unchanged to `elastor train` by every supervisor.
+TRAIN_FLAGS = ("data", "seed", "lr", "warmup_steps", "timeout_s")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subcommand(
+        subparsers,
+        "run",
+        "Train elastically: plan for the healthy GPUs, run under torchrun, and after a failure re-plan "
+        "for the survivors and resume from the newest checkpoint; grow back when a GPU returns.",
+        EXAMPLE,
+    )
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help='healthy GPUs per node ("4,4") or a cluster JSON; with --node only its device and links count',
+    )
+    p.add_argument("--profile", required=True, help="profile JSON from `elastor profile`")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True, help="the global step to reach")
+    p.add_argument("--ckpt-dir", required=True, help="checkpoint directory, shared by every node")
+    p.add_argument(
+        "--ckpt-every", type=int, default=5, help="steps between checkpoints (default: %(default)s)"
+    )
+    p.add_argument("--metrics", help="metrics JSON-lines file (default: CKPT_DIR/metrics.jsonl)")
+    p.add_argument("--method", default="elastor", help="planning method (default: %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
+    p.add_argument("--data", help="passed to `elastor train`")
+    p.add_argument("--seed", type=int, default=0, help="passed to `elastor train` (default: 0)")
+    p.add_argument("--lr", type=float, default=3e-4, help="passed to `elastor train` (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=10, help="passed to `elastor train`")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="collective timeout of the workers (default: %(default)s)",
+    )
+    p.add_argument(
+        "--inject-failure",
+        action="append",
+        default=[],
+        metavar="DEVICE@STEP",
+        help="SIGKILL the worker playing DEVICE when training reaches STEP (repeatable)",
+    )
+    p.add_argument(
+        "--inject-recovery",
+        action="append",
+        default=[],
+        metavar="DEVICE@STEP",
+        help="bring DEVICE back at the first checkpoint boundary from STEP on (repeatable)",
+    )
+    node = p.add_argument_group("one node of a real cluster (without these, --cluster is simulated here)")
+    node.add_argument("--node", help="this node's name")
+    node.add_argument("--nodes", help="every node's name, comma-separated; the first one leads")
+    node.add_argument("--rdzv-endpoint", help="HOST:PORT of the leader's rendezvous (the ports above it too)")
+    node.add_argument("--gpus", help="this node's GPU ids (default: every GPU torch sees)")
+    node.add_argument("--host", default="127.0.0.1", help="this node's address for the workers' rendezvous")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.elastic.faults import Fault
+
+    if min(args.steps, args.global_batch_size, args.ckpt_every) < 1:
+        raise ElastorError("--steps, --global-batch-size and --ckpt-every must be at least 1.")
+    profile = ModelProfile.from_json(read_json(args.profile, "profile"))
+    cluster = ClusterSpec.parse(args.cluster, profile.device_kind)
+    failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
+    recoveries = [Fault.parse(f, "--inject-recovery") for f in args.inject_recovery]
+    if args.node is None:
+        from runtime.elastic.launch import launch_simulated
+
+        return launch_simulated(cluster, _supervisor_args(args))
+    return _run_node(args, profile, cluster, tuple(failures), tuple(recoveries))
+
+
+def _run_node(args, profile, cluster, failures, recoveries) -> int:
+    from runtime.elastic.rendezvous import Rendezvous
+    from runtime.elastic.supervisor import NodeSupervisor, RunConfig
+
+    if not (args.nodes and args.rdzv_endpoint):
+        raise ElastorError("--node needs --nodes and --rdzv-endpoint HOST:PORT.")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ElastorError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT.")
+    config = RunConfig(
+        profile=profile,
+        cluster=cluster,
+        global_batch_size=args.global_batch_size,
+        steps=args.steps,
+        ckpt_dir=Path(args.ckpt_dir),
+        ckpt_every=args.ckpt_every,
+        metrics=_metrics_path(args),
+        method=args.method,
+        device=args.device,
+        train_args=tuple(_train_args(args)),
+        failures=failures,
+        recoveries=recoveries,
+    )
+    gpus = _gpus(args.gpus, args.device)
+    # SIGTERM (the launcher, a scheduler) unwinds through the supervisor, which stops its workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rendezvous = Rendezvous(host, int(port), args.nodes.split(","), args.node)
+    code = NodeSupervisor(config, rendezvous, gpus, host=args.host).run()
+    if rendezvous.is_leader and code == 0:
+        _print_report(config.metrics)
+    return code
+
+
+def _gpus(text: str | None, device: str) -> list[int]:
+    if text:
+        try:
+            return [int(g) for g in text.split(",")]
+        except ValueError:
+            raise ElastorError(f"--gpus {text!r} is not a comma-separated list of GPU ids.") from None
+    if device != "cuda":
+        raise ElastorError("--gpus is needed when the node's GPUs are simulated (--device cpu).")
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+def _metrics_path(args) -> Path:
+    return Path(args.metrics) if args.metrics else Path(args.ckpt_dir) / "metrics.jsonl"
+
+
+def _supervisor_args(args) -> list[str]:
+    """The flags every simulated node's supervisor gets (the launcher adds --node and friends)."""
+    return [
+        f"--cluster={args.cluster}",
+        f"--profile={args.profile}",
+        f"--global-batch-size={args.global_batch_size}",
+        f"--steps={args.steps}",
+        f"--ckpt-dir={args.ckpt_dir}",
+        f"--ckpt-every={args.ckpt_every}",
+        f"--metrics={_metrics_path(args)}",
+        f"--method={args.method}",
+        f"--device={args.device}",
+        *(
+            f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+            for flag in TRAIN_FLAGS
+            if getattr(args, flag) is not None
+        ),
+        *(f"--inject-failure={f}" for f in args.inject_failure),
+        *(f"--inject-recovery={f}" for f in args.inject_recovery),
+    ]
+
+
+def _train_args(args) -> list[str]:
+    return [
+        f"--{f.replace('_', '-')}={getattr(args, f)}" for f in TRAIN_FLAGS if getattr(args, f) is not None
+    ]
+
+
+def _print_report(metrics: Path) -> None:
+    from runtime.elastic.report import format_recoveries, read_metrics, recoveries
+
+    if metrics.is_file():
+        print(format_recoveries(recoveries(read_metrics(metrics))))

@@ -1,0 +1,176 @@
+"""The recovery breakdown, read back from the metrics file: every second between a failure and the
+first step after it, and throughput before and after.
+
+For each injected failure (a `failure_injected` event), in file order:
+    detect     = failure_detected - failure_injected   (torchrun notices, the supervisor reports it)
+    rendezvous = replanned - failure_detected - solve  (every node's health report gathered)
+    plan       = the solver's wall time
+    restart    = (restored - load) - replanned           (processes started, rendezvous, model built)
+    load       = the checkpoint load, resharded          (measured by the workers)
+    first step = resumed - restored                       (the first training step after the restart)
+    total      = resumed - failure_injected
+A scale-up (a `replanned` event with more devices than the previous one) is timed from the round's
+clean stop to the first step after it.
+"""
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodel.table import format_table
+
+
+@dataclass(frozen=True)
+class Recovery:
+    kind: str  # "failure" or "scale-up"
+    step: int  # the step training resumed from
+    devices_before: int
+    devices_after: int
+    phases_s: dict[str, float]  # detect, plan, restart, load, first step (failures); stop to resume
+    total_s: float
+    samples_per_s_before: float | None
+    samples_per_s_after: float | None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed writer
+            continue
+    return records
+
+
+def recoveries(records: list[dict[str, Any]]) -> list[Recovery]:
+    found: list[Recovery] = []
+    devices = None
+    for i, rec in enumerate(records):
+        event = rec.get("event")
+        if event == "failure_injected":
+            found += _failure(records, i, devices)
+        elif event == "replanned":
+            if devices is not None and rec["devices"] > devices and not _after_failure(records, i):
+                found += _scale_up(records, i, devices)
+            devices = rec["devices"]
+    return found
+
+
+def _next(records, start: int, event: str) -> int | None:
+    return next((j for j in range(start, len(records)) if records[j].get("event") == event), None)
+
+
+def _after_failure(records, i: int) -> bool:
+    """Whether the replanning at `i` answers a failure (a failure_detected since the last replanning)."""
+    for j in range(i - 1, -1, -1):
+        event = records[j].get("event")
+        if event == "failure_detected":
+            return True
+        if event == "replanned":
+            return False
+    return False
+
+
+def _throughput(records, lo: int, hi: int) -> float | None:
+    rates = [
+        r["samples_per_s"]
+        for r in records[lo:hi]
+        if "step" in r and "samples_per_s" in r and not r.get("event")
+    ]
+    return statistics.median(rates) if rates else None
+
+
+def _previous(records, i: int, event: str) -> int:
+    return next((j for j in range(i - 1, -1, -1) if records[j].get("event") == event), 0)
+
+
+def _failure(records, i: int, devices: int | None) -> list[Recovery]:
+    detected = _next(records, i, "failure_detected")
+    replanned = _next(records, detected or i, "replanned")
+    restored = _next(records, replanned or i, "restored")
+    resumed = _next(records, restored or i, "resumed")
+    if None in (detected, replanned, restored, resumed):
+        return []  # the run ended before it recovered (e.g. not enough memory left)
+    t = {
+        k: records[j]["time_s"]
+        for k, j in (
+            ("fail", i),
+            ("det", detected),
+            ("plan", replanned),
+            ("rest", restored),
+            ("res", resumed),
+        )
+    }
+    load = records[restored].get("load_s", 0.0)
+    solve = records[replanned]["solve_s"]
+    phases = {
+        "detect": t["det"] - t["fail"],
+        "rendezvous": t["plan"] - t["det"] - solve,
+        "plan": solve,
+        "restart": t["rest"] - load - t["plan"],
+        "load": load,
+        "first step": t["res"] - t["rest"],
+    }
+    return [
+        Recovery(
+            kind="failure",
+            step=records[restored]["step"],
+            devices_before=devices or 0,
+            devices_after=records[replanned]["devices"],
+            phases_s=phases,
+            total_s=t["res"] - t["fail"],
+            samples_per_s_before=_throughput(records, _previous(records, i, "resumed"), i),
+            samples_per_s_after=_throughput(
+                records, resumed, _next(records, resumed + 1, "failure_injected") or len(records)
+            ),
+        )
+    ]
+
+
+def _scale_up(records, i: int, devices: int) -> list[Recovery]:
+    stopped = _previous(records, i, "done")
+    resumed = _next(records, i, "resumed")
+    if resumed is None:
+        return []
+    restored = _next(records, i, "restored")
+    return [
+        Recovery(
+            kind="scale-up",
+            step=records[i]["step"],
+            devices_before=devices,
+            devices_after=records[i]["devices"],
+            phases_s={
+                "plan": records[i]["solve_s"],
+                "load": records[restored].get("load_s", 0.0) if restored else 0.0,
+            },
+            total_s=records[resumed]["time_s"] - records[stopped]["time_s"],
+            samples_per_s_before=_throughput(records, _previous(records, stopped, "resumed"), stopped),
+            samples_per_s_after=_throughput(
+                records, resumed, _next(records, resumed + 1, "failure_injected") or len(records)
+            ),
+        )
+    ]
+
+
+def format_recoveries(found: list[Recovery]) -> str:
+    if not found:
+        return "no recovery happened"
+    phases = ("detect", "rendezvous", "plan", "restart", "load", "first step")
+    header = ("event", "resumed at step", "devices", *(f"{p} s" for p in phases), "total s", "samples/s")
+    rows = [header]
+    for r in found:
+        cell = {k: f"{v:.2f}" for k, v in r.phases_s.items()}
+        rate = [f"{v:.1f}" if v else "-" for v in (r.samples_per_s_before, r.samples_per_s_after)]
+        rows.append(
+            (
+                r.kind,
+                r.step,
+                f"{r.devices_before} -> {r.devices_after}",
+                *(cell.get(k, "-") for k in phases),
+                f"{r.total_s:.2f}",
+                f"{rate[0]} -> {rate[1]}",  # before -> after
+            )
+        )
+    return format_table(rows)
