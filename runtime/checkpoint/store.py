@@ -15,6 +15,9 @@ Commit protocol (one writer: rank 0, after every rank's data is durable):
 A directory with a `step-*` name always has its manifest (it is written before the rename), so
 "newest complete" is simply the newest `step-*` directory; `latest` agrees with it except after a
 crash between steps 2 and 3, when the scan still finds the newer, complete checkpoint.
+
+One job writes to a --ckpt-dir at a time: a new job's rank 0 removes the temporary directories that
+earlier (crashed) jobs left.
 """
 
 import os
