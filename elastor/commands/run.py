@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="DEVICE@STEP",
-        help="SIGKILL the worker playing DEVICE when training reaches STEP (repeatable)",
+        help="SIGKILL the worker playing DEVICE when training reaches STEP (repeatable; a script: each "
+        "failure is armed once the ones before it have fired or are due no later)",
     )
     p.add_argument(
         "--inject-recovery",

@@ -1,7 +1,10 @@
 """Injected faults: `--inject-failure n1:3@20` and `--inject-recovery n1:3@40`.
 
 A failure `D@S` SIGKILLs the worker playing device D when its training reaches global step S (right
-after step S completes, or at start-up when it resumes at step S: a failure during recovery). Before
+after step S completes, or at start-up when it resumes at step S: a failure during recovery).
+Failures form a script, in the order given: one is armed once every failure listed before it has
+fired or is due no later than it. So `n1:0@6 n0:1@4` kills n1:0 at step 6 and then n0:1 when the
+survivors resume from the checkpoint of step 4, during the recovery. Before
 dying, the worker appends a `failure_injected` event to the metrics file, which is how the simulated
 cluster learns that D is gone (a real cluster probes its GPUs instead). A recovery `D@S` brings D back
 at the first checkpoint boundary at or after step S: the supervisors stop that round there, cleanly,
@@ -59,6 +62,17 @@ def fired(metrics_path: Path) -> list[tuple[Fault, float]]:
         if record.get("event") == "failure_injected":
             found.append((Fault(step=record["step"], device=record["device"]), record["time_s"]))
     return found
+
+
+def armed(failures: tuple[Fault, ...], fired_: list[tuple[Fault, float]]) -> list[Fault]:
+    """The failures that may fire in the next round (see the module docstring)."""
+    done = {f for f, _ in fired_}
+    out = []
+    for i, f in enumerate(failures):
+        earlier = [g for g in failures[:i] if g not in done]
+        if f not in done and all(g.step <= f.step for g in earlier):
+            out.append(f)
+    return out
 
 
 def maybe_fail(device: str, step: int, pending: list[Fault], metrics_path: Path) -> None:

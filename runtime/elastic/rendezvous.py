@@ -50,6 +50,16 @@ class Rendezvous:
     def decision(self, round_: int) -> dict[str, Any]:
         return self._get(f"{round_}/decision")
 
+    def finish(self, round_: int, *, timeout_s: float = 60.0) -> None:
+        """Leave after a final decision: the leader hosts the store, so it waits until every other
+        node has read the decision (or `timeout_s` passed) before it goes."""
+        if not self.is_leader:
+            self.store.add(f"{round_}/read", 1)
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.store.add(f"{round_}/read", 0) < len(self.nodes) - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     # ---- the end of a round ---------------------------------------------------------------------
     def report_exit(self, round_: int, code: int) -> None:
         self._set(f"{round_}/exit/{self.node}", {"code": code, "time_s": time.time()})

@@ -89,6 +89,8 @@ class NodeSupervisor:
             if self.rdzv.is_leader:
                 self.rdzv.decide(round_, self._decide(round_, self.rdzv.health(round_)))
             decision = self.rdzv.decision(round_)
+            if decision.get("error") or decision.get("done"):
+                self.rdzv.finish(round_)
             if decision.get("error"):
                 if self.rdzv.is_leader:
                     print(f"elastor: error: {decision['error']}", file=sys.stderr)
@@ -160,8 +162,10 @@ class NodeSupervisor:
             )
         finally:
             metrics.close()
-        fired = {f for f, _ in faults.fired(cfg.metrics)}
-        pending = [f for f in cfg.failures if f not in fired and f.step >= step and f.device in plan.devices]
+        pending = [
+            f for f in faults.armed(cfg.failures, faults.fired(cfg.metrics)) if f.device in plan.devices
+        ]
+        pending = [f for f in pending if f.step >= step]
         return {
             "plan": plan.to_json(),
             "stop_at": st.stop_at,
@@ -231,6 +235,8 @@ class NodeSupervisor:
                 *cfg.train_args,
             ]
             env = {**os.environ, faults.ENV_FAILURES: decision.get("failures", "")}
+            if decision["master_addr"].startswith("127.") and sys.platform.startswith("linux"):
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a simulated cluster talks over loopback only
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             log = cfg.log_dir / f"round-{round_}-{self.node}.log"
             with open(log, "w") as out:
