@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--procs must be even and at least 4 (plan A needs two TP=2 replicas)")
 
     root = Path(tempfile.mkdtemp(prefix="elastor-ckpt-bench-", dir=args.dir))
+    load_before = os.getloadavg()  # this machine is shared: the run's context, kept with its results
     state_bytes = 12 * PRESETS[args.model].param_count  # fp32 parameters and two AdamW moments
     try:
         disks = [disk_bandwidth(root, state_bytes)]  # before and after the workers: the disk drifts
@@ -508,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["command"] = "python benchmarks/checkpoint_bench.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
+    summary["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "dir")}
     summary["raw"] = results
     print(table(summary))
