@@ -21,7 +21,7 @@ import numpy as np
 from costmodel import ClusterSpec, Pipeline, Plan, Stage
 from costmodel.estimate import CostModel
 from costmodel.profile import ModelProfile
-from solver.core import overhead, tp_degrees
+from solver.core import sync, tp_degrees
 from solver.master import balance
 from solver.stages import StageTable, stage_table
 
@@ -46,11 +46,10 @@ def _fits(tables: dict[int, StageTable], stages: Sequence[Placed]) -> bool:
 def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> float:
     """Step time of a plan from the stage tables: slowest pipeline + sync + optimizer (as estimate)."""
     nodes = {st[3] for pipe in pipes for st in pipe}
-    widest = max(
-        ((tables[tp].params[s][e], tables[tp].optimizer_s[s][e]) for pipe in pipes for s, e, tp, *_ in pipe)
-    )
+    params = max(tables[tp].params[s][e] for pipe in pipes for s, e, tp, *_ in pipe)
+    optimizer = max(tables[tp].optimizer_s[s][e] for pipe in pipes for s, e, tp, *_ in pipe)
     slowest = max(_pipeline_time(tables, pipe, m) for pipe, m in zip(pipes, counts, strict=True))
-    return slowest + overhead(cm, len(nodes) > 1)(len(pipes), *widest)
+    return slowest + sync(cm, len(nodes) > 1)(len(pipes), params) + optimizer
 
 
 def _plan(profile, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:

@@ -7,9 +7,10 @@ largest; intra-node links everywhere), and plans on all nodes priced with inter-
 this kind that happens to use one node is only over-priced, and the first problem covers it).
 """
 
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from costmodel import ClusterSpec, Plan
@@ -64,11 +65,12 @@ def usable_micro_batch_sizes(
     return [b for b in sizes if global_batch_size % b == 0 and b in profile.micro_batch_sizes()]
 
 
-def overhead(cm: CostModel, inter_node: bool):
-    """Gradient sync of the stage holding `params` parameters across P pipelines, plus its optimizer
-    step: the part of a step that follows the slowest pipeline (costmodel.estimate)."""
+def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
+    """Seconds to all-reduce the gradients of a stage holding `params` parameters across P pipelines:
+    the cost model's gradient sync, which the slowest such stage sets (costmodel.estimate)."""
 
-    def cost(num_pipelines: int, params: int, optimizer_s: float) -> float:
+    @functools.cache
+    def cost(num_pipelines: int, params: int) -> float:
         widest = StageCost(
             start=0,
             end=0,
@@ -81,9 +83,9 @@ def overhead(cm: CostModel, inter_node: bool):
             activation_bytes=0,
             transient_bytes=0,
             boundary_bytes=0,
-            optimizer_s=optimizer_s,
+            optimizer_s=0.0,
         )
-        return cm.sync_s(widest, num_pipelines, inter_node) + optimizer_s
+        return cm.sync_s(widest, num_pipelines, inter_node)
 
     return cost
 
@@ -135,7 +137,7 @@ def search(
             templates,
             nodes,
             global_batch_size // mbs,
-            overhead(cm, inter),
+            sync(cm, inter),
             single_node=not inter,
             time_limit_s=left / (len(jobs) - done),
             upper_bound_s=incumbent,

@@ -1,42 +1,56 @@
 """The master problem: how many pipelines of each template, how many micro-batches each, on which nodes.
 
-CP-SAT model (OR-Tools), for one micro-batch size and one link scope:
+For one micro-batch size and one link scope. Data: templates t (A_t, M_t, p_t stages, W_t and O_t,
+run sizes), N micro-batches, node classes c (capacity cap_c, count n_c), and sync(P, W), the time to
+all-reduce the gradients of a W-parameter stage across P pipelines. A plan's step time is its slowest
+pipeline + sync(P, max W) + max O (costmodel.estimate); the last two are its "overhead".
 
-    data        templates t: A_t, M_t, p_t stages, W_t (and O_t), runs (GPU counts); N micro-batches;
-                node classes c: capacity cap_c, count n_c; overhead(P, W) = gradient sync of the
-                W-parameter stage across P pipelines + its optimizer step (costmodel.estimate).
-    variables   n_t   pipelines of template t                      (integer)
-                k_t   micro-batches of its busiest pipeline        (integer, p_t..N)
-                u_t   micro-batches of all its pipelines           (integer)
-                y_cq  nodes of class c packed with run pattern q   (integer; q: a maximal multiset
-                      of run sizes that fits cap_c)
-                tau   the slowest pipeline's time; P, w the pipeline count and the W level
-    constraints sum_t u_t = N;  p_t n_t <= u_t <= n_t k_t       (each pipeline p_t..k_t micro-batches;
-                                                                 any total in between is a split)
-                tau >= A_t + (k_t - 1) M_t  if n_t >= 1         (1F1B time of the busiest one)
-                P = sum_t n_t;  w >= level(W_t) if n_t >= 1
-                sum_q y_cq <= n_c;  sum_cq mult_q(d) y_cq >= sum_t n_t mult_t(d) for every run size d
-                (every run gets a slot of its size on some node: bin packing by patterns, exact
-                because same-size runs are interchangeable and so are nodes of one class)
-    objective   minimise tau + overhead(P, w)                   (overhead as a table indexed by P, w)
+A bound tau on every pipeline's time makes the problem linear: template t can then take at most
+k_t(tau) = max{m <= N : A_t + (m - 1) M_t <= tau} micro-batches per pipeline (it needs p_t). CP-SAT
+model at fixed tau:
 
-Times are scaled to integers in one place (`_Scale`): 1e13 units for the incumbent's step time, so
-rounding moves the objective by less than 1e-12 of it per term. A greedy plan (the best plan using
-copies of one template) is the hint and the upper bound that trims every domain.
+    variables   n_t   pipelines of template t (integer; 0 when k_t(tau) < p_t)
+                y_cq  nodes of class c packed with run pattern q (integer; q: a maximal multiset of run
+                      sizes that fits cap_c)
+                b_P   the plan has P pipelines (one-hot);  x, o  its sync and optimizer times
+    constraints sum_t p_t n_t <= N <= sum_t k_t(tau) n_t       (a split exists: pipelines of t take
+                                                                any number from p_t to k_t(tau))
+                sum_t n_t = sum_P P b_P
+                x >= sum_P sync(P, W_t) b_P and o >= O_t  if n_t >= 1
+                sum_q y_cq <= n_c;  sum_cq mult_q(d) y_cq >= sum_t mult_t(d) n_t for every run size d
+                (every run gets a slot of its size on some node: bin packing by patterns, exact because
+                runs of one size are interchangeable, and so are nodes of one class)
+                x + o <= s
+    objective   minimise x + o                                  -> S*(tau)
+
+The best plan's step time is min over tau of tau + S*(tau), tau ranging over the times
+T_t(m) = A_t + (m - 1) M_t a pipeline can take (the best plan's slowest pipeline takes one of them).
+S* does not increase with tau, so a staircase search needs few problems:
+
+    tau_0 = the least candidate with any plan (bisection); s_0 = S*(tau_0); best = tau_0 + s_0
+    repeat  tau_i+1 = the least candidate with a plan of overhead below s_i (bisection among the
+            candidates below best - min overhead); s_i+1 = S*(tau_i+1); best = min(best, tau_i+1 + s_i+1)
+    until there is none: best is then optimal.
+
+Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
+so rounding cannot reorder plans that differ by more than that; tau stays a float. A plan made of copies
+of one template (best-fit packing) answers many feasibility questions without CP-SAT and gives the
+first incumbent.
 """
 
+import heapq
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from solver.templates import Template
 
 UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
-SMALL_MODEL = 400  # template copies up to which one CP-SAT worker without presolve is fastest
-WORKERS = 2  # CP-SAT workers for larger models (the machines this runs on have 2 or more cores)
 
 
 @dataclass(frozen=True)
@@ -62,50 +76,40 @@ def balance(pipes: Sequence[Template], num_microbatches: int) -> list[int] | Non
     counts = [t.num_stages for t in pipes]
     if sum(counts) > num_microbatches:
         return None
+    heap = [(t.time_s(m + 1), i) for i, (t, m) in enumerate(zip(pipes, counts, strict=True))]
+    heapq.heapify(heap)
     for _ in range(num_microbatches - sum(counts)):
-        i = min(range(len(pipes)), key=lambda j: (pipes[j].time_s(counts[j] + 1), j))
+        _, i = heapq.heappop(heap)
         counts[i] += 1
+        heapq.heappush(heap, (pipes[i].time_s(counts[i] + 1), i))
     return counts
 
 
-def plan_cost_s(pipes: Sequence[Template], counts: Sequence[int], overhead: Callable) -> float:
-    widest = max(pipes, key=lambda t: t.max_params)
+def plan_cost_s(pipes: Sequence[Template], counts: Sequence[int], sync: Callable[[int, int], float]) -> float:
+    """Step time: slowest pipeline + gradient sync of the largest stage + slowest optimizer step."""
     slowest = max(t.time_s(m) for t, m in zip(pipes, counts, strict=True))
-    return slowest + overhead(len(pipes), widest.max_params, widest.optimizer_s)
+    return slowest + overhead_s(pipes, sync)
 
 
-def pack_first_fit(runs: Sequence[int], capacities: Sequence[int]) -> list[list[int]] | None:
-    """Runs per node (first fit, largest run first) or None: a quick feasible packing for the hint."""
-    free = list(capacities)
+def overhead_s(pipes: Sequence[Template], sync: Callable[[int, int], float]) -> float:
+    return sync(len(pipes), max(t.max_params for t in pipes)) + max(t.optimizer_s for t in pipes)
+
+
+def pack_best_fit(runs: Sequence[int], capacities: Sequence[int]) -> list[list[int]] | None:
+    """Runs per node, or None: largest run first, each onto the fullest node that still takes it.
+    A quick feasible packing (the CP-SAT model packs exactly); nodes are kept by free GPUs."""
+    by_free: dict[int, list[int]] = {}
+    for i, c in enumerate(capacities):
+        by_free.setdefault(c, []).append(i)
     placed: list[list[int]] = [[] for _ in capacities]
     for r in sorted(runs, reverse=True):
-        for i, room in enumerate(free):
-            if room >= r:
-                free[i] -= r
-                placed[i].append(r)
-                break
-        else:
+        room = min((f for f, nodes in by_free.items() if f >= r and nodes), default=None)
+        if room is None:
             return None
+        node = by_free[room].pop()
+        placed[node].append(r)
+        by_free.setdefault(room - r, []).append(node)
     return placed
-
-
-def greedy(
-    templates: Sequence[Template], capacities: Sequence[int], num_microbatches: int, overhead: Callable
-) -> tuple[float, Template, int] | None:
-    """The best plan made of copies of one template (first-fit packing): (cost, template, copies)."""
-    best = None
-    for t in templates:
-        copies = 0
-        while (copies + 1) * t.num_stages <= num_microbatches and pack_first_fit(
-            t.footprint * (copies + 1), capacities
-        ):
-            copies += 1
-        for n in range(1, copies + 1):
-            counts = balance([t] * n, num_microbatches)
-            cost = plan_cost_s([t] * n, counts, overhead)
-            if best is None or cost < best[0]:
-                best = (cost, t, n)
-    return best
 
 
 def lower_bound(templates: Sequence[Template], capacities: Sequence[int], num_microbatches: int) -> float:
@@ -131,18 +135,192 @@ def maximal_patterns(sizes: Sequence[int], capacity: int) -> list[tuple[int, ...
             if sizes[i] <= room:
                 grew = True
                 extend([*pattern, sizes[i]], room - sizes[i], i)
-        if not grew and not any(s <= room for s in sizes):
+        if not grew:
             out.append(tuple(pattern))
 
     extend([], capacity, 0)
     return out
 
 
+class Master:
+    """The master problem of one micro-batch size and link scope (module docstring)."""
+
+    def __init__(
+        self,
+        templates: Sequence[Template],
+        capacities: Sequence[int],
+        num_microbatches: int,
+        sync: Callable[[int, int], float],
+        *,
+        single_node: bool,
+    ):
+        self.N = num_microbatches
+        self.capacities = list(capacities)
+        self.single_node = single_node
+        self.sync = sync
+        self.templates = [t for t in templates if t.num_stages <= self.N]
+        ts = self.templates
+        self.A = np.array([t.pipeline_s for t in ts])
+        self.M = np.array([t.bottleneck_s for t in ts])
+        self.p = np.array([t.num_stages for t in ts])
+        gpus = sum(self.capacities)
+        self.copies = [min(self.N // t.num_stages, gpus // t.num_gpus) for t in ts]
+        self.p_max = max(self.copies, default=0)
+        self.min_overhead = min((t.optimizer_s for t in ts), default=0.0)
+        self.runs = [Counter(t.run_sizes) for t in ts]
+        self.sizes = sorted({d for c in self.runs for d in c})
+        self.scale = _Scale(1e-15)  # set by solve_master from the incumbent
+        self.patterns = [] if single_node else self._patterns()
+
+    def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        out = []
+        for capacity, count in sorted(Counter(self.capacities).items(), reverse=True):
+            fitting = [d for d in self.sizes if d <= capacity]
+            out += [(capacity, count, q) for q in maximal_patterns(fitting, capacity)] if fitting else []
+        return out
+
+    # ---- per-template capacity at a bound tau ------------------------------------------------------
+    def capacity(self, tau: float) -> np.ndarray:
+        """k_t(tau): the most micro-batches a pipeline of template t takes within tau (0: none)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.where(self.M > 0, np.floor((tau - self.A) / np.where(self.M > 0, self.M, 1)) + 1, self.N)
+        k = np.clip(k, 0, self.N).astype(np.int64)
+        # Settle floating-point edges with the very expression the candidates were made of.
+        for i in np.flatnonzero(k > 0):
+            t = self.templates[i]
+            while k[i] > 0 and t.time_s(int(k[i])) > tau:
+                k[i] -= 1
+            while k[i] < self.N and t.time_s(int(k[i]) + 1) <= tau:
+                k[i] += 1
+        return np.where(k >= self.p, k, 0)
+
+    def candidates(self, upper_s: float) -> np.ndarray:
+        """Every pipeline time T_t(m) <= upper_s, sorted (computed as Template.time_s does)."""
+        values = []
+        for t in self.templates:
+            m = np.arange(t.num_stages, self.N + 1)
+            times = t.pipeline_s + (m - 1) * t.bottleneck_s
+            values.append(times[times <= upper_s])
+        return np.unique(np.concatenate(values)) if values else np.array([])
+
+    # ---- one template repeated: quick answers ------------------------------------------------------
+    def units(self, num_pipelines: int, params: int, optimizer_s: float) -> int:
+        """A plan's overhead (sync + optimizer step) in the model's integer units."""
+        return self.scale(self.sync(num_pipelines, params)) + self.scale(optimizer_s)
+
+    def copies_plan(self, tau: float, cap: float) -> tuple[int, list[Template]] | None:
+        """The cheapest plan of copies of one template within tau and overhead cap (units), if any."""
+        k = self.capacity(tau)
+        best = None
+        for i in np.flatnonzero(k):
+            t = self.templates[i]
+            n = -(-self.N // int(k[i]))  # fewest copies that cover N: the least overhead
+            if n * t.num_stages > self.N or n > self.copies[i]:
+                continue
+            s = self.units(n, t.max_params, t.optimizer_s)
+            if s <= cap and (best is None or s < best[0]) and self._packs([t] * n):
+                best = (s, [t] * n)
+        return best
+
+    def _packs(self, pipes: Sequence[Template]) -> bool:
+        runs = [r for t in pipes for r in t.run_sizes]
+        if self.single_node:
+            return sum(runs) <= max(self.capacities)
+        return pack_best_fit(runs, self.capacities) is not None
+
+    def _coverage_bound(self, k: np.ndarray, live: list[int], cap: float) -> float:
+        """At most this many micro-batches fit within tau: relax to GPUs in all and pipelines in all
+        (a pipeline of template t holds k_t of them on G_t GPUs; the overhead cap bounds P)."""
+        gpus = sum(self.capacities)
+        most = [self._most_pipelines(i, cap) for i in live]
+        by_gpus = gpus * max(k[i] / self.templates[i].num_gpus for i in live)
+        by_count = max(most) * max(k[i] for i in live)
+        by_copies = sum(int(k[i]) * min(self.copies[i], m) for i, m in zip(live, most, strict=True))
+        return min(by_gpus, by_count, by_copies)
+
+    def _most_pipelines(self, i: int, cap: float) -> int:
+        """The most pipelines a plan using template i can have within overhead cap (units)."""
+        t = self.templates[i]
+        allowed = [P for P in range(1, self.p_max + 1) if self.units(P, t.max_params, t.optimizer_s) <= cap]
+        return max(allowed, default=0)
+
+    # ---- the CP-SAT model at fixed tau -------------------------------------------------------------
+    def solve_at(self, tau: float, cap: float, time_limit_s: float, minimise: bool):
+        """(status, overhead in units, pipelines, node patterns) of the model at tau, overhead <= cap.
+
+        With `minimise` the cap is left out: CP-SAT 9.15's presolve can wrongly prove infeasible a
+        model whose objective has a parallel upper-bound constraint, and the search only asks for
+        the least overhead at a tau where it already knows a plan within the cap exists.
+        """
+        if minimise:
+            cap = math.inf
+        k = self.capacity(tau)
+        live = list(np.flatnonzero(k))
+        if not live or self._coverage_bound(k, live, cap) < self.N:
+            return cp_model.INFEASIBLE, None, None, None
+        model = cp_model.CpModel()
+        n = {i: model.NewIntVar(0, self.copies[i], f"n{i}") for i in live}
+        model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)
+        model.Add(sum(int(k[i]) * n[i] for i in live) >= self.N)
+        # P as one-hot b[P]; sync grows with P and W, so the largest stage in use sets it.
+        counts = range(1, self.p_max + 1)
+        b = {P: model.NewBoolVar(f"P{P}") for P in counts}
+        model.AddExactlyOne(b.values())
+        model.Add(sum(n.values()) == sum(P * b[P] for P in counts))
+        top = max(self.templates[i].max_params for i in live)
+        scale = self.scale
+        x = model.NewIntVar(0, scale(self.sync(self.p_max, top)), "sync")
+        o = model.NewIntVar(0, scale(max(self.templates[i].optimizer_s for i in live)), "optimizer")
+        for i in live:
+            t = self.templates[i]
+            used = model.NewBoolVar(f"used{i}")
+            model.Add(n[i] <= self.copies[i] * used)
+            model.Add(n[i] >= used)
+            if math.isfinite(cap):  # sync grows with P: the cap bounds the pipelines this template allows
+                most = self._most_pipelines(i, cap)
+                model.Add(n[i] <= most)
+                for P in range(most + 1, self.p_max + 1):
+                    model.AddImplication(used, b[P].Not())
+            model.Add(x >= sum(scale(self.sync(P, t.max_params)) * b[P] for P in counts)).OnlyEnforceIf(used)
+            model.Add(o >= scale(t.optimizer_s)).OnlyEnforceIf(used)
+        extra = x + o
+        if math.isfinite(cap):
+            model.Add(extra <= int(cap))
+        need = {d: sum(self.runs[i][d] * n[i] for i in live if d in self.runs[i]) for d in self.sizes}
+        ys = []
+        if self.single_node:
+            model.Add(sum(d * need[d] for d in self.sizes) <= max(self.capacities))
+        else:
+            for capacity, count in sorted(Counter(self.capacities).items()):
+                of_class = []
+                for c, _, q in self.patterns:
+                    if c == capacity:
+                        y = model.NewIntVar(0, count, "y")
+                        ys.append((c, q, y))
+                        of_class.append(y)
+                if of_class:
+                    model.Add(sum(of_class) <= count)
+            for d in self.sizes:
+                model.Add(sum(Counter(q)[d] * y for _, q, y in ys if d in q) >= need[d])
+        if minimise:
+            model.Minimize(extra)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+        solver.parameters.num_workers = 1
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return status, None, None, None
+        pipes = [self.templates[i] for i in live for _ in range(solver.Value(n[i]))]
+        patterns = [(c, q, solver.Value(y)) for c, q, y in ys]
+        value = solver.Value(x) + solver.Value(o) if minimise else None
+        return status, value, pipes, patterns
+
+
 def solve_master(
     templates: Sequence[Template],
     capacities: Sequence[int],
     num_microbatches: int,
-    overhead: Callable[[int, int, float], float],
+    sync: Callable[[int, int], float],
     *,
     single_node: bool,
     time_limit_s: float,
@@ -153,141 +331,97 @@ def solve_master(
     Returns (plan or None, lower bound, closed): closed when the answer is proven optimal or no plan
     beats `upper_bound_s`.
     """
-    N = num_microbatches
-    start = greedy(templates, capacities, N, overhead)
-    if start is None:  # no template has as few stages as there are micro-batches
+    started = time.perf_counter()
+    master = Master(templates, capacities, num_microbatches, sync, single_node=single_node)
+    if not master.templates:  # no template has as few stages as there are micro-batches
         return None, math.inf, True
-    bound_s = min(upper_bound_s, start[0])
-    templates = [t for t in templates if t.time_s(t.num_stages) <= bound_s and t.num_stages <= N]
-    if start[1] not in templates:
-        templates.append(start[1])
-    scale = _Scale(bound_s / UNITS_PER_BOUND)
-    total_gpus = sum(capacities)
-    p_max = min(N // min(t.num_stages for t in templates), total_gpus // min(t.num_gpus for t in templates))
-    levels = sorted({t.max_params for t in templates})
-    level_of = {w: i for i, w in enumerate(levels)}
-    optimizer_at = {}
-    for t in templates:
-        optimizer_at[t.max_params] = max(optimizer_at.get(t.max_params, 0.0), t.optimizer_s)
+    N = master.N
 
-    model = cp_model.CpModel()
-    tau = model.NewIntVar(0, scale(bound_s), "tau")
-    # One (on, m) pair per possible copy of each template: copy c of template t is used (on) and
-    # takes m micro-batches. tau >= (A - M) on + M m is the 1F1B time A + (m - 1) M when the copy is
-    # used and the empty bound 0 otherwise (m = 0): linear, no big-M, since A >= M.
-    n, used, on, micro, share = {}, {}, {}, [], {}
-    for i, t in enumerate(templates):
-        copies = min(N // t.num_stages, p_max, total_gpus // t.num_gpus)
-        m_max = N
-        if t.bottleneck_s > 0:
-            m_max = max(t.num_stages, min(N, int((bound_s - t.pipeline_s) / t.bottleneck_s) + 1))
-        on[i] = [model.NewBoolVar(f"on{i}_{c}") for c in range(copies)]
-        for c, flag in enumerate(on[i]):
-            m = model.NewIntVar(0, m_max, f"m{i}_{c}")
-            micro.append(m)
-            share[i, c] = m
-            model.Add(m >= t.num_stages * flag)
-            model.Add(m <= m_max * flag)
-            model.Add(tau >= (scale(t.pipeline_s) - scale(t.bottleneck_s)) * flag + scale(t.bottleneck_s) * m)
-            if c:  # copies in order, busiest first: breaks the symmetry between copies
-                model.AddImplication(flag, on[i][c - 1])
-                model.Add(micro[-2] >= m)
-        n[i] = sum(on[i])
-        used[i] = on[i][0] if on[i] else None
-    model.Add(sum(micro) == N)
+    def left() -> float:
+        return time_limit_s - (time.perf_counter() - started)
 
-    # Gradient sync and optimizer: a table over (pipelines, widest stage level).
-    pipelines = model.NewIntVar(1, p_max, "P")
-    model.Add(pipelines == sum(n.values()))
-    level = model.NewIntVar(0, len(levels) - 1, "w")
-    for i, t in enumerate(templates):
-        if used[i] is not None:
-            model.Add(level >= level_of[t.max_params]).OnlyEnforceIf(used[i])
-    table = [scale(overhead(P, w, optimizer_at[w])) for P in range(1, p_max + 1) for w in levels]
-    index = model.NewIntVar(0, len(table) - 1, "overhead_index")
-    model.Add(index == (pipelines - 1) * len(levels) + level)
-    extra = model.NewIntVar(min(table), max(table), "overhead")
-    model.AddElement(index, table, extra)
+    # Incumbent: copies of one template.
+    best: tuple[float, list[Template], list | None] | None = None
+    first = _copies_incumbent(master)
+    if first is not None:
+        best = first
+    upper = min(upper_bound_s, best[0] if best else math.inf)
+    if not math.isfinite(upper):
+        upper = max(t.time_s(N) for t in master.templates) + overhead_s(
+            master.templates, lambda _, w: sync(master.p_max, w)
+        )
+    master.scale = _Scale(upper / UNITS_PER_BOUND)
+    taus = master.candidates(upper - master.min_overhead)
 
-    # Packing runs onto nodes.
-    counts = [Counter(t.run_sizes) for t in templates]
-    sizes = sorted({d for c in counts for d in c})
-    need = {d: sum(c[d] * n[i] for i, c in enumerate(counts) if d in c) for d in sizes}
-    classes = sorted(Counter(capacities).items(), reverse=True)
-    patterns: list[tuple[int, tuple[int, ...], cp_model.IntVar]] = []
-    if single_node:
-        model.Add(sum(d * need[d] for d in sizes) <= max(capacities))
-    else:
-        for capacity, count in classes:
-            fitting = [d for d in sizes if d <= capacity]
-            class_vars = []
-            for pattern in maximal_patterns(fitting, capacity) if fitting else []:
-                y = model.NewIntVar(0, count, f"y{capacity}_{'_'.join(map(str, pattern))}")
-                patterns.append((capacity, pattern, y))
-                class_vars.append(y)
-            if class_vars:
-                model.Add(sum(class_vars) <= count)
-        for d in sizes:
-            model.Add(sum(Counter(p)[d] * y for _, p, y in patterns if d in p) >= need[d])
+    def feasible(j: int, cap: float) -> bool | None:
+        """Is there a plan within taus[j] with overhead <= cap (units)? None: not decided in time."""
+        if master.copies_plan(taus[j], cap):
+            return True
+        status, *_ = master.solve_at(taus[j], cap, left(), minimise=False)
+        if status == cp_model.INFEASIBLE:
+            return False
+        return True if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
 
-    model.Minimize(tau + extra)
-
-    # Hint: the greedy plan.
-    _, first, copies = start
-    split = sorted(balance([first] * copies, N), reverse=True)
-    for i, t in enumerate(templates):
-        for c, flag in enumerate(on[i]):
-            model.AddHint(flag, t is first and c < copies)
-            model.AddHint(share[i, c], split[c] if t is first and c < copies else 0)
-
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.05)
-    if len(micro) <= SMALL_MODEL:  # presolve and parallel workers cost more than they save here
-        solver.parameters.num_workers = 1
-        solver.parameters.cp_model_presolve = False
-    else:
-        solver.parameters.num_workers = WORKERS
-    status = solver.Solve(model)
-    if status == cp_model.INFEASIBLE:  # nothing beats the upper bound
-        return None, math.inf, True
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # out of time before a solution
-        if start[0] >= upper_bound_s:
-            return None, 0.0, False
-        chosen = [(start[1], start[2])]
-        result = _result("FEASIBLE", chosen, N, capacities, single_node, overhead, None, 0.0)
-        return result, 0.0, False
-    chosen = [
-        (t, sum(map(solver.Value, on[i])))
-        for i, t in enumerate(templates)
-        if on[i] and solver.Value(on[i][0])
-    ]
-    used_patterns = [(c, p, solver.Value(y)) for c, p, y in patterns]
-    bound = solver.BestObjectiveBound() * scale.unit_s
-    optimal = status == cp_model.OPTIMAL
-    result = _result(
-        "OPTIMAL" if optimal else "FEASIBLE",
-        chosen,
-        N,
-        capacities,
-        single_node,
-        overhead,
-        used_patterns,
-        bound,
-    )
-    return result, (result.objective_s if optimal else min(bound, result.objective_s)), optimal
+    # Staircase (module docstring): j is the first candidate not yet ruled out for overhead <= cap.
+    j, cap, proven = 0, math.inf, True
+    while True:
+        limit = (best[0] if best else upper) - master.min_overhead
+        hi = int(np.searchsorted(taus, limit, side="left")) - 1  # candidates that could still win
+        if j > hi:
+            break
+        top = feasible(hi, cap)
+        if not top:
+            proven = top is not None
+            break
+        lo = j
+        while lo < hi and proven:  # bisection: feasibility grows with tau
+            mid = (lo + hi) // 2
+            answer = feasible(mid, cap)
+            proven = answer is not None
+            lo, hi = (lo, mid) if answer else (mid + 1, hi)
+        if not proven:
+            break
+        j = lo
+        status, extra, pipes, patterns = master.solve_at(taus[j], cap, left(), minimise=True)
+        if status != cp_model.OPTIMAL:
+            proven = False
+            break
+        cost = plan_cost_s(pipes, balance(pipes, N), sync)
+        if best is None or cost < best[0]:
+            best = (cost, pipes, patterns)
+        cap = extra - 1  # from here on: strictly less overhead
+        j += 1
+    if best is None:
+        return None, (math.inf if proven else taus[min(j, len(taus) - 1)]), proven
+    cost, pipes, patterns = best
+    bound = cost if proven else min(cost, taus[min(j, len(taus) - 1)] + master.min_overhead)
+    return _result("OPTIMAL" if proven else "FEASIBLE", pipes, N, master, patterns, bound), bound, proven
 
 
-def _result(status, chosen, N, capacities, single_node, overhead, used_patterns, bound) -> MasterResult:
-    pipes = [t for t, copies in chosen for _ in range(copies)]
+def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | None:
+    """The cheapest plan made of copies of one template (best-fit packing)."""
+    best = None
+    for i, t in enumerate(master.templates):
+        for n in range(1, master.copies[i] + 1):
+            pipes = [t] * n
+            if not master._packs(pipes):
+                break
+            cost = plan_cost_s(pipes, balance(pipes, master.N), master.sync)
+            if best is None or cost < best[0]:
+                best = (cost, pipes, None)
+    return best
+
+
+def _result(status, pipes, N, master: Master, patterns, bound) -> MasterResult:
     counts = balance(pipes, N)
-    objective = plan_cost_s(pipes, counts, overhead)
-    if single_node:
-        nodes = ((max(capacities), tuple(r for t in pipes for r in t.run_sizes)),)
-    elif used_patterns is None:
-        placed = pack_first_fit([r for t in pipes for r in t.run_sizes], capacities)
-        nodes = tuple((c, tuple(runs)) for c, runs in zip(capacities, placed, strict=True) if runs)
+    objective = plan_cost_s(pipes, counts, master.sync)
+    if master.single_node:
+        nodes = ((max(master.capacities), tuple(r for t in pipes for r in t.run_sizes)),)
+    elif patterns is None:
+        placed = pack_best_fit([r for t in pipes for r in t.run_sizes], master.capacities)
+        nodes = tuple((c, tuple(runs)) for c, runs in zip(master.capacities, placed, strict=True) if runs)
     else:
-        nodes = tuple((c, p) for c, p, count in used_patterns for _ in range(count))
+        nodes = tuple((c, q) for c, q, count in patterns for _ in range(count))
     return MasterResult(
         status=status,
         objective_s=objective,

@@ -6,8 +6,8 @@ into *runs* of consecutive stages that share a node, and the four numbers the pl
     A  = sum_s (F_s + B_s) + 2 sum_s c_s     warm-up and cool-down (c_s: p2p, intra-node inside a
                                              run, inter-node between runs)
     M  = max_s (F_s + B_s)                   the steady state's pace
-    W  = max_s params_s                      sets gradient-sync and optimizer time (with O, the
-    O  = max_s optimizer_s                   optimizer time of that stage)
+    W  = max_s params_s                      the largest gradient to synchronise
+    O  = max_s optimizer_s                   the slowest optimizer step
 
 so that the pipeline takes T(m) = A + (m - 1) M for m >= p micro-batches (costmodel.estimate). Its
 footprint is the multiset of its runs' GPU counts: the master problem packs runs onto nodes.
@@ -24,13 +24,15 @@ micro-batches in flight and that count is known from the back):
                same node   (s, k+1, R, u+t),               A += F+B + 2 c_intra(l), if u+t fits a node
                new node    (s, k+1, sorted(R + (u,)), t),  A += F+B + 2 c_inter(l)
                M = max(M, F+B), W = max(W, params), O = max(O, opt).
-    keep       per state, the labels no other label beats in all of A, M and W (Pareto set): a label
-               beaten in all three can only lead to pipelines beaten in all three.
+    keep       per state, the labels no other label beats in all of A, M, W and O (Pareto set): a
+               label beaten in all four can only lead to pipelines beaten in all four.
     result     states with l = 0: footprint R + (u,), p = k stages.
 
 Every partial footprint must fit on the cluster's nodes on its own (bin packing), otherwise the state
 is dropped. A template is then kept only if, among templates of its footprint and stage count with
-W no larger, its line T(m) = A + (m-1) M is below every other for some m >= p (lower envelope).
+W and O no larger, its line T(m) = A + (m-1) M is below every other for some m >= p (lower
+envelope), and if no template with a footprint that packs wherever its own does is no worse in all
+of A, M, W, O and stage count (`prune`).
 Options `max_gpus`, `max_runs` and `max_stages` bound the search for very large instances; left at
 None the program enumerates the whole search space and is exact (`tests/test_solver_optimality.py`).
 """
@@ -40,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
+
+import numpy as np
 
 from solver.stages import StageTable
 
@@ -114,12 +118,12 @@ def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
 
 
 def _insert(labels: list, new: tuple) -> None:
-    """Add `new` = (A, M, W, O, chain) to a Pareto set over (A, M, W) unless a label beats it."""
-    a, m, w = new[0], new[1], new[2]
+    """Add `new` = (A, M, W, O, chain) to a Pareto set over (A, M, W, O) unless a label beats it."""
+    a, m, w, o = new[0], new[1], new[2], new[3]
     for old in labels:
-        if old[0] <= a and old[1] <= m and old[2] <= w:
+        if old[0] <= a and old[1] <= m and old[2] <= w and old[3] <= o:
             return
-    labels[:] = [old for old in labels if not (a <= old[0] and m <= old[1] and w <= old[2])]
+    labels[:] = [old for old in labels if not (a <= old[0] and m <= old[1] and w <= old[2] and o <= old[3])]
     labels.append(new)
 
 
@@ -195,7 +199,7 @@ def generate(
                                 continue
                             if target is None:
                                 target = states[s].setdefault(key, [])
-                            w2, o2 = (w, o) if w >= params else (params, opt)
+                            w2, o2 = (w if w >= params else params), (o if o >= opt else opt)
                             _insert(target, (a2, m2, w2, o2, ((s, ell, t, same), chain)))
 
     found: dict[tuple, list[Template]] = {}
@@ -203,7 +207,31 @@ def generate(
         footprint = tuple(sorted((*runs, u), reverse=True))
         for a, m, w, o, chain in labels:
             found.setdefault((footprint, k), []).append(_template(chain, a, m, w, o))
-    return [t for group in found.values() for t in lower_envelope(group)]
+    return prune([t for group in found.values() for t in lower_envelope(group)])
+
+
+def prune(templates: list[Template]) -> list[Template]:
+    """Drop a template when another is no worse in A, M, W, O and stage count and packs wherever it does
+    (its runs fit into this one's runs): a plan using the first can use the second instead."""
+    if not templates:
+        return []
+    prints = sorted({t.footprint for t in templates})
+    index = {f: i for i, f in enumerate(prints)}
+    packs = np.array([[Packer(b).fits(a) for b in prints] for a in prints])  # packs[a, b]: a fits in b
+    A = np.array([t.pipeline_s for t in templates])
+    M = np.array([t.bottleneck_s for t in templates])
+    W = np.array([t.max_params for t in templates])
+    opt = np.array([t.optimizer_s for t in templates])
+    P = np.array([t.num_stages for t in templates])
+    F = np.array([index[t.footprint] for t in templates])
+    keep = []
+    for i, t in enumerate(templates):
+        no_worse = (A[i] >= A) & (M[i] >= M) & (W[i] >= W) & (opt[i] >= opt) & (P[i] >= P) & packs[F, F[i]]
+        same = (A[i] == A) & (M[i] == M) & (W[i] == W) & (opt[i] == opt) & (P[i] == P) & (F[i] == F)
+        no_worse[i:] &= ~same[i:]  # of identical templates keep the first
+        if not no_worse.any():
+            keep.append(t)
+    return keep
 
 
 def _template(chain, a: float, m: float, w: int, o: float) -> Template:
@@ -219,21 +247,23 @@ def _template(chain, a: float, m: float, w: int, o: float) -> Template:
 
 
 def lower_envelope(group: list[Template]) -> list[Template]:
-    """The templates (same footprint and stage count) that are best for some m >= p at their W.
+    """The templates (same footprint and stage count) that are best for some m >= p at their W and O.
 
     T(m) = A + (m-1) M is a line in lam = m - 1 >= p - 1. A template is kept if its line lies strictly
-    below the lower envelope of the other templates with W no larger somewhere in [p - 1, inf). The
+    below the lower envelope of the other templates with W and O no larger somewhere in [p - 1, inf). The
     difference of a line and a lower envelope is convex and piecewise linear, so it is enough to look
     at lam = p - 1, at the envelope's breakpoints beyond it, and at infinity.
     """
-    unique = list({(t.pipeline_s, t.bottleneck_s, t.max_params): t for t in reversed(group)}.values())
+    unique = list(
+        {(t.pipeline_s, t.bottleneck_s, t.max_params, t.optimizer_s): t for t in reversed(group)}.values()
+    )
     lam0 = unique[0].num_stages - 1
     keep = []
     for cand in unique:
         rivals = [
             (o.pipeline_s, o.bottleneck_s)
             for o in unique
-            if o is not cand and o.max_params <= cand.max_params
+            if o is not cand and o.max_params <= cand.max_params and o.optimizer_s <= cand.optimizer_s
         ]
         if _below_somewhere(cand.pipeline_s, cand.bottleneck_s, rivals, lam0):
             keep.append(cand)
