@@ -4,7 +4,8 @@
 - `assign`: which rank writes which piece, a pure function of the plan;
 - `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
 - `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
-- `save`: `Checkpointer`, the asynchronous save and the commit;
+- `save`: `Checkpointer`, the asynchronous save (the blocking snapshot);
+- `commit`: the save's background half: checksums, O_DIRECT writes, fragments, rank 0's commit;
 - `store`: durable writes, atomic commit, `latest`, retention, finding the newest checkpoint;
 - `load`: reading only the byte ranges a rank needs, checksummed;
 - `verify`, `export`: whole-checkpoint checks and the Hugging Face safetensors export.
