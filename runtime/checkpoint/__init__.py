@@ -3,7 +3,6 @@
 - `format`: the directory layout, manifest and storage order (read this first);
 - `assign`: which rank writes which piece, a pure function of the plan;
 - `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
-- `pieces`: `Piece` (what a rank saves) and `Wanted` (what it loads);
 - `save`: `Checkpointer`, the asynchronous save (the blocking snapshot);
 - `commit`: the save's background half: checksums, O_DIRECT writes, fragments, rank 0's commit;
 - `store`: durable writes, atomic commit, `latest`, retention, finding the newest checkpoint;
