@@ -412,51 +412,21 @@ def summarize(results: dict, disk: dict, args: argparse.Namespace) -> dict:
 
 def table(s: dict) -> str:
     gb = s["state_bytes"] / 1e9
-    rows = [
-        ("measure", "Elastor", "DCP", "DCP async", "Elastor / DCP"),
-        (
-            "stall per save (s)",
-            f"{s['elastor_stall_s']:.3f}",
-            f"{s['dcp_stall_s']:.3f}",
-            f"{s['dcp_async_stall_s']:.3f}",
-            f"{s['ratios_elastor_over_dcp']['stall']:.3f}",
-        ),
-        (
-            "stall, % of a step",
-            f"{s['elastor_stall_pct_of_step']:.1f}%",
-            f"{s['dcp_stall_pct_of_step']:.1f}%",
-            f"{s['dcp_async_stall_pct_of_step']:.1f}%",
-            "",
-        ),
-        (
-            "save until durable (s)",
-            f"{s['elastor_save_s']:.2f}",
-            f"{s['dcp_save_s']:.2f}",
-            f"{s['dcp_async_save_s']:.2f}",
-            f"{s['ratios_elastor_over_dcp']['save']:.3f}",
-        ),
-        (
-            "save throughput (GB/s)",
-            f"{s['elastor_save_gbps']:.3f}",
-            f"{s['dcp_save_gbps']:.3f}",
-            f"{s['dcp_async_save_gbps']:.3f}",
-            "",
-        ),
-        (
-            "load, same layout (s)",
-            f"{s['elastor_load_same_s']:.2f}",
-            f"{s['dcp_load_same_s']:.2f}",
-            "",
-            f"{s['ratios_elastor_over_dcp']['load_same']:.3f}",
-        ),
-        (
-            "load, resharded (s)",
-            f"{s['elastor_load_resharded_s']:.2f}",
-            f"{s['dcp_load_resharded_s']:.2f}",
-            "",
-            f"{s['ratios_elastor_over_dcp']['load_resharded']:.3f}",
-        ),
+    ratio = s["ratios_elastor_over_dcp"]
+    methods = ("elastor", "dcp", "dcp_async")
+    # (label, key pattern with {m} for the method, format, ratio key or None, methods that have it)
+    lines = [
+        ("stall per save (s)", "{m}_stall_s", ".3f", "stall", methods),
+        ("stall, % of a step", "{m}_stall_pct_of_step", ".1f", None, methods),
+        ("save until durable (s)", "{m}_save_s", ".2f", "save", methods),
+        ("save throughput (GB/s)", "{m}_save_gbps", ".3f", None, methods),
+        ("load, same layout (s)", "{m}_load_same_s", ".2f", "load_same", methods[:2]),
+        ("load, resharded (s)", "{m}_load_resharded_s", ".2f", "load_resharded", methods[:2]),
     ]
+    rows = [("measure", "Elastor", "DCP", "DCP async", "Elastor / DCP")]
+    for label, key, fmt, ratio_key, have in lines:
+        cells = [format(s[key.format(m=m)], fmt) if m in have else "" for m in methods]
+        rows.append((label, *cells, format(ratio[ratio_key], ".3f") if ratio_key else ""))
     disk = s["disk"]
     return (
         f"state {gb:.2f} GB; training step {s['step_s']:.2f} s "
