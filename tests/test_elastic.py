@@ -15,7 +15,7 @@ from dist_helpers import launch
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
 from costmodel.jsonio import read_json, write_json
 from runtime.checkpoint import checkpoint_meta
-from runtime.elastic.demo import compare_runs
+from runtime.compare import compare_runs
 from runtime.elastic.report import read_metrics, recoveries
 from solver import solve
 

@@ -18,14 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from costmodel.cluster import ClusterSpec
 from costmodel.estimate import CostModel
 from costmodel.jsonio import read_json, write_json
 from costmodel.plan import Plan
 from costmodel.profile import ModelProfile
-from runtime.checkpoint import CheckpointReader, Wanted, latest_checkpoint
+from runtime.compare import TOLERANCE, compare_runs
 from runtime.elastic.report import read_metrics, recoveries
 from solver import solve
 
@@ -34,8 +32,6 @@ GLOBAL_BATCH = 12
 STEPS = 30
 CKPT_EVERY = 5
 FAILURE, RECOVERY = "n1:1@12", "n1:1@22"
-# Parity tolerance of the runtime's tests: losses within 1e-5 relative, weights within 1e-5.
-TOLERANCE = 1e-5
 
 
 def run_demo(out: Path) -> int:
@@ -124,35 +120,6 @@ def run_demo(out: Path) -> int:
         f"tolerance {TOLERANCE:g}); report in {out} ({summary['wall_s']:.0f} s)"
     )
     return 0 if check["equal"] else 1
-
-
-def compare_runs(records, reference, elastic_dir: Path, reference_dir: Path) -> dict:
-    """Per-step losses (the last value of each step: steps redone after a restart replace the lost
-    ones) and the final checkpoints' weights and optimizer state, tensor by tensor."""
-    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
-    expected = {r["step"]: r["loss"] for r in reference if "loss" in r}
-    loss_diff = max(abs(losses[s] - expected[s]) / abs(expected[s]) for s in expected)
-    mine, theirs = _full_state(elastic_dir), _full_state(reference_dir)
-    param_diff = max((mine[n] - theirs[n]).abs().max().item() for n in theirs)
-    steps_match = sorted(losses) == sorted(expected)
-    return {
-        "steps_match": steps_match,
-        "loss_max_rel_diff": loss_diff,
-        "param_max_abs_diff": param_diff,
-        "tensors_compared": len(theirs),
-        "equal": steps_match
-        and loss_diff <= TOLERANCE
-        and param_diff <= TOLERANCE
-        and mine.keys() == theirs.keys(),
-    }
-
-
-def _full_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    with CheckpointReader(latest_checkpoint(ckpt_dir)) as reader:
-        return {
-            name: reader.read(Wanted(name, e.shape, (0,) * len(e.shape), e.shape, torch.float32))
-            for name, e in reader.manifest.tensors.items()
-        }
 
 
 def _write_plans(records, directory: Path) -> list[Path]:
