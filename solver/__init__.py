@@ -88,10 +88,14 @@ def solve(
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
     estimate = CostModel(profile, cluster).estimate(plan)
     if outcome is not None:
-        gap = max(0.0, (outcome.objective_s - outcome.bound_s) / outcome.objective_s)
-        info.update(status="OPTIMAL" if outcome.proven else "FEASIBLE", gap=gap)
+        gap = (
+            0.0 if outcome.proven else max(0.0, (outcome.objective_s - outcome.bound_s) / outcome.objective_s)
+        )
+        info.update(status="OPTIMAL" if outcome.proven else "FEASIBLE", gap=float(gap))
         info["templates"] = outcome.num_templates
-        info["complete"] = (limits or Limits()).complete
+        info["complete"] = outcome.limits.complete
+        if not outcome.limits.complete:
+            info["family"] = outcome.limits.to_json()
     else:
         info.update(status="OPTIMAL", gap=0.0)  # each baseline family is enumerated in full
     info["wall_s"] = round(time.perf_counter() - started, 4)
@@ -99,9 +103,7 @@ def solve(
 
 
 def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
-    return search(
-        profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits or Limits()
-    )
+    return search(profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits)
 
 
 def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:

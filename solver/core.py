@@ -18,21 +18,31 @@ from costmodel.estimate import CostModel, StageCost
 from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.placement import place
+from solver.skeletons import block_uniform, generate_skeletal
 from solver.stages import StageTable, stage_table
-from solver.templates import generate
+from solver.templates import Template, fewest_gpus, generate, prune
+
+# The exact, complete template program runs when the instance is this small (tests/test_solver_*.py);
+# beyond it, the searched family is bounded (Limits) and the plan says so ("complete": false).
+EXACT_GPUS = 8
+EXACT_LAYERS = 12
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on the template search; None everywhere enumerates the whole search space."""
+    """Bounds on the template search; the defaults enumerate the whole search space."""
 
-    max_gpus: int | None = None  # per pipeline
-    max_runs: int | None = None  # node runs per pipeline
-    max_stages: int | None = None  # per pipeline
+    max_gpus: int | None = None  # per pipeline, in the exact program
+    max_runs: int | None = None  # node runs per pipeline, in the exact program
+    max_stages: int | None = None  # per pipeline, in the exact program
+    skeletal: bool = False  # add solver.skeletons' family (models with identical blocks)
 
     @property
     def complete(self) -> bool:
-        return self.max_gpus is None and self.max_runs is None and self.max_stages is None
+        return (self.max_gpus, self.max_runs, self.max_stages, self.skeletal) == (None, None, None, False)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class Outcome:
     bound_s: float  # no plan of the searched space is faster
     proven: bool  # every sub-problem solved to optimality (or shown not to beat the plan)
     num_templates: int
+    limits: Limits  # the space searched: complete, or the family it was bounded to
 
 
 def tp_degrees(profile: ModelProfile, cluster: ClusterSpec) -> list[int]:
@@ -90,6 +101,44 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
     return cost
 
 
+def plan_limits(profile: ModelProfile, capacities: Sequence[int]) -> Limits:
+    """No limits (the exact, complete search) when the instance is small enough for it."""
+    if sum(capacities) <= EXACT_GPUS and profile.model.num_layers <= EXACT_LAYERS:
+        return Limits()
+    runs = 2 if profile.model.num_layers > EXACT_LAYERS else None
+    return Limits(max_gpus=max(capacities), max_runs=runs, max_stages=None, skeletal=True)
+
+
+def candidates(
+    tables: dict[int, StageTable],
+    profile: ModelProfile,
+    capacities: Sequence[int],
+    single_node: bool,
+    limits: Limits,
+    incumbent: float,
+) -> list[Template]:
+    """Templates of the searched space: the exact program within `limits`, plus skeletons."""
+    L = profile.model.num_layers
+    found = []
+    smallest = fewest_gpus(tables, L, sum(capacities))
+    if limits.skeletal and block_uniform(profile):
+        # Runs enough for twice the smallest pipeline, at least two.
+        runs = max(2, math.ceil(2 * smallest / max(capacities)))
+        found += generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs)
+    if not limits.skeletal or smallest <= max(capacities):
+        found += generate(
+            tables,
+            L,
+            capacities,
+            single_node=single_node,
+            max_gpus=limits.max_gpus,
+            max_runs=limits.max_runs,
+            max_stages=limits.max_stages,
+            time_bound_s=incumbent,
+        )
+    return prune(found)
+
+
 def search(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -97,7 +146,7 @@ def search(
     *,
     micro_batch_sizes: Sequence[int],
     time_limit_s: float,
-    limits: Limits = Limits(),
+    limits: Limits | None = None,
     upper_bound_s: float = math.inf,
 ) -> Outcome:
     """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan."""
@@ -105,6 +154,7 @@ def search(
     cm = CostModel(profile, cluster)
     tps = tp_degrees(profile, cluster)
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
+    limits = limits or plan_limits(profile, capacities)
     scopes = [True, False] if len(capacities) > 1 else [False]  # inter-node links?
     jobs = [(b, s) for b in micro_batch_sizes if global_batch_size % b == 0 for s in scopes]
     best: tuple[float, int, MasterResult] | None = None
@@ -115,16 +165,7 @@ def search(
             tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
         incumbent = min(upper_bound_s, best[0] if best else math.inf)
         nodes = capacities if inter else [max(capacities)]
-        templates = generate(
-            tables_for[mbs],
-            profile.model.num_layers,
-            nodes,
-            single_node=not inter,
-            max_gpus=limits.max_gpus,
-            max_runs=limits.max_runs,
-            max_stages=limits.max_stages,
-            time_bound_s=incumbent,
-        )
+        templates = candidates(tables_for[mbs], profile, nodes, not inter, limits, incumbent)
         num_templates += len(templates)
         if not templates:
             continue
@@ -147,7 +188,7 @@ def search(
         if result is not None and (best is None or result.objective_s < best[0]):
             best = (result.objective_s, mbs, result)
     if best is None:
-        return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates)
+        return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates, limits)
     objective, mbs, result = best
     plan = place(profile, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
-    return Outcome(plan, objective, min([objective, *bounds]), proven and limits.complete, num_templates)
+    return Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)

@@ -95,21 +95,35 @@ def overhead_s(pipes: Sequence[Template], sync: Callable[[int, int], float]) -> 
     return sync(len(pipes), max(t.max_params for t in pipes)) + max(t.optimizer_s for t in pipes)
 
 
+class Packing:
+    """Runs placed on nodes so far, largest first onto the fullest node that takes each (best fit):
+    a quick feasible packing (the CP-SAT model packs exactly). Nodes are kept by free GPUs."""
+
+    def __init__(self, capacities: Sequence[int]):
+        self.by_free: dict[int, list[int]] = {}
+        for i, c in enumerate(capacities):
+            self.by_free.setdefault(c, []).append(i)
+        self.placed: list[list[int]] = [[] for _ in capacities]
+
+    def add(self, runs: Sequence[int]) -> "Packing | None":
+        """A new packing with `runs` added, or None if they do not fit."""
+        new = Packing.__new__(Packing)
+        new.by_free = {f: list(nodes) for f, nodes in self.by_free.items() if nodes}
+        new.placed = [list(p) for p in self.placed]
+        for r in sorted(runs, reverse=True):
+            room = min((f for f in new.by_free if f >= r and new.by_free[f]), default=None)
+            if room is None:
+                return None
+            node = new.by_free[room].pop()
+            new.placed[node].append(r)
+            new.by_free.setdefault(room - r, []).append(node)
+        return new
+
+
 def pack_best_fit(runs: Sequence[int], capacities: Sequence[int]) -> list[list[int]] | None:
-    """Runs per node, or None: largest run first, each onto the fullest node that still takes it.
-    A quick feasible packing (the CP-SAT model packs exactly); nodes are kept by free GPUs."""
-    by_free: dict[int, list[int]] = {}
-    for i, c in enumerate(capacities):
-        by_free.setdefault(c, []).append(i)
-    placed: list[list[int]] = [[] for _ in capacities]
-    for r in sorted(runs, reverse=True):
-        room = min((f for f, nodes in by_free.items() if f >= r and nodes), default=None)
-        if room is None:
-            return None
-        node = by_free[room].pop()
-        placed[node].append(r)
-        by_free.setdefault(room - r, []).append(node)
-    return placed
+    """Runs per node, or None (module `Packing`)."""
+    packing = Packing(capacities).add(runs)
+    return None if packing is None else packing.placed
 
 
 def lower_bound(templates: Sequence[Template], capacities: Sequence[int], num_microbatches: int) -> float:
@@ -169,7 +183,8 @@ class Master:
         self.min_overhead = min((t.optimizer_s for t in ts), default=0.0)
         self.runs = [Counter(t.run_sizes) for t in ts]
         self.sizes = sorted({d for c in self.runs for d in c})
-        self.scale = _Scale(1e-15)  # set by solve_master from the incumbent
+        self.scale: _Scale | None = None  # set_scale: solve_master sets it from the incumbent
+        self.units = np.zeros((len(ts), 0), dtype=np.int64)
         self.patterns = [] if single_node else self._patterns()
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -203,10 +218,38 @@ class Master:
             values.append(times[times <= upper_s])
         return np.unique(np.concatenate(values)) if values else np.array([])
 
+    def least_overhead(self, taus: np.ndarray) -> np.ndarray:
+        """Per bound tau, a lower bound on the overhead of any plan within it: it needs at least
+        ceil(N / max_t k_t(tau)) pipelines, and sync and optimizer grow with pipelines and size."""
+        w = min(t.max_params for t in self.templates)
+        o = min(t.optimizer_s for t in self.templates)
+        most = np.zeros(len(taus), dtype=np.int64)
+        for lo in range(0, len(self.templates), 64):  # chunks keep the [taus x templates] block small
+            A, M, p = self.A[lo : lo + 64], self.M[lo : lo + 64], self.p[lo : lo + 64]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                k = np.floor((taus[:, None] - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
+            k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
+            k = np.where(k >= p, k, 0)
+            most = np.maximum(most, k.max(axis=1).astype(np.int64))
+        pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), 1)
+        return np.array([self.sync(int(P), w) for P in pipelines]) + o
+
     # ---- one template repeated: quick answers ------------------------------------------------------
-    def units(self, num_pipelines: int, params: int, optimizer_s: float) -> int:
-        """A plan's overhead (sync + optimizer step) in the model's integer units."""
-        return self.scale(self.sync(num_pipelines, params)) + self.scale(optimizer_s)
+    def set_scale(self, scale: _Scale) -> None:
+        """Fix the integer unit and tabulate each template's overhead for every pipeline count."""
+        self.scale = scale
+        counts = range(1, self.p_max + 1)
+        self.units = np.array(
+            [
+                [scale(self.sync(P, t.max_params)) + scale(t.optimizer_s) for P in counts]
+                for t in self.templates
+            ],
+            dtype=np.int64,
+        ).reshape(len(self.templates), self.p_max)
+
+    def most_pipelines(self, cap: float) -> np.ndarray:
+        """Per template, the most pipelines a plan using it can have within overhead cap (units)."""
+        return (self.units <= cap).sum(axis=1)  # the overhead grows with the pipeline count
 
     def copies_plan(self, tau: float, cap: float) -> tuple[int, list[Template]] | None:
         """The cheapest plan of copies of one template within tau and overhead cap (units), if any."""
@@ -217,10 +260,53 @@ class Master:
             n = -(-self.N // int(k[i]))  # fewest copies that cover N: the least overhead
             if n * t.num_stages > self.N or n > self.copies[i]:
                 continue
-            s = self.units(n, t.max_params, t.optimizer_s)
+            s = int(self.units[i, n - 1])
             if s <= cap and (best is None or s < best[0]) and self._packs([t] * n):
                 best = (s, [t] * n)
         return best
+
+    def greedy_plan(self, tau: float, cap: float) -> list[Template] | None:
+        """A plan within tau and overhead cap found greedily, mixing templates, or None (no proof)."""
+        k = self.capacity(tau)
+        most = self.most_pipelines(cap)
+        live = [i for i in np.flatnonzero(k) if most[i] >= 1]
+        orders = (
+            sorted(live, key=lambda i: -k[i] / self.templates[i].num_gpus),  # micro-batches per GPU
+            sorted(live, key=lambda i: -k[i]),  # fewest pipelines
+        )
+        for order in orders:
+            chosen: list[int] = []
+            covered = stages = 0
+            limit = self.p_max
+            packing = Packing([max(self.capacities)] if self.single_node else self.capacities)
+            while covered < self.N:
+                for i in order:
+                    t = self.templates[i]
+                    if stages + t.num_stages > self.N or len(chosen) >= min(limit, most[i]):
+                        continue
+                    runs = [t.num_gpus] if self.single_node else t.run_sizes
+                    grown = packing.add(runs)
+                    if grown is not None:
+                        packing = grown
+                        chosen.append(i)
+                        covered, stages, limit = (
+                            covered + int(k[i]),
+                            stages + t.num_stages,
+                            min(limit, most[i]),
+                        )
+                        break
+                else:
+                    break
+            pipes = [self.templates[i] for i in chosen]
+            if covered >= self.N and self._overhead_units(pipes) <= cap:
+                return pipes
+        return None
+
+    def _overhead_units(self, pipes: Sequence[Template]) -> int:
+        scale = self.scale
+        return scale(self.sync(len(pipes), max(t.max_params for t in pipes))) + scale(
+            max(t.optimizer_s for t in pipes)
+        )
 
     def _packs(self, pipes: Sequence[Template]) -> bool:
         runs = [r for t in pipes for r in t.run_sizes]
@@ -232,17 +318,11 @@ class Master:
         """At most this many micro-batches fit within tau: relax to GPUs in all and pipelines in all
         (a pipeline of template t holds k_t of them on G_t GPUs; the overhead cap bounds P)."""
         gpus = sum(self.capacities)
-        most = [self._most_pipelines(i, cap) for i in live]
+        most = self.most_pipelines(cap)[live]
         by_gpus = gpus * max(k[i] / self.templates[i].num_gpus for i in live)
-        by_count = max(most) * max(k[i] for i in live)
-        by_copies = sum(int(k[i]) * min(self.copies[i], m) for i, m in zip(live, most, strict=True))
+        by_count = int(most.max()) * int(k[live].max())
+        by_copies = int(np.minimum(np.array(self.copies)[live], most) @ k[live])
         return min(by_gpus, by_count, by_copies)
-
-    def _most_pipelines(self, i: int, cap: float) -> int:
-        """The most pipelines a plan using template i can have within overhead cap (units)."""
-        t = self.templates[i]
-        allowed = [P for P in range(1, self.p_max + 1) if self.units(P, t.max_params, t.optimizer_s) <= cap]
-        return max(allowed, default=0)
 
     # ---- the CP-SAT model at fixed tau -------------------------------------------------------------
     def solve_at(self, tau: float, cap: float, time_limit_s: float, minimise: bool):
@@ -269,6 +349,7 @@ class Master:
         model.Add(sum(n.values()) == sum(P * b[P] for P in counts))
         top = max(self.templates[i].max_params for i in live)
         scale = self.scale
+        allowed = self.most_pipelines(cap)
         x = model.NewIntVar(0, scale(self.sync(self.p_max, top)), "sync")
         o = model.NewIntVar(0, scale(max(self.templates[i].optimizer_s for i in live)), "optimizer")
         for i in live:
@@ -277,7 +358,7 @@ class Master:
             model.Add(n[i] <= self.copies[i] * used)
             model.Add(n[i] >= used)
             if math.isfinite(cap):  # sync grows with P: the cap bounds the pipelines this template allows
-                most = self._most_pipelines(i, cap)
+                most = int(allowed[i])
                 model.Add(n[i] <= most)
                 for P in range(most + 1, self.p_max + 1):
                     model.AddImplication(used, b[P].Not())
@@ -307,6 +388,7 @@ class Master:
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
         solver.parameters.num_workers = 1
+        solver.parameters.cp_model_presolve = False
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, None, None, None
@@ -350,35 +432,56 @@ def solve_master(
         upper = max(t.time_s(N) for t in master.templates) + overhead_s(
             master.templates, lambda _, w: sync(master.p_max, w)
         )
-    master.scale = _Scale(upper / UNITS_PER_BOUND)
+    master.set_scale(_Scale(upper / UNITS_PER_BOUND))
     taus = master.candidates(upper - master.min_overhead)
+    floor = taus + master.least_overhead(taus)  # no plan within taus[j] costs less than floor[j]
 
-    def feasible(j: int, cap: float) -> bool | None:
-        """Is there a plan within taus[j] with overhead <= cap (units)? None: not decided in time."""
-        if master.copies_plan(taus[j], cap):
-            return True
-        status, *_ = master.solve_at(taus[j], cap, left(), minimise=False)
+    def offer(pipes: list[Template] | None, patterns) -> int | None:
+        """Keep a plan found on the way if it is the best; return the candidate index of its slowest
+        pipeline (re-split), where it shows a plan exists."""
+        nonlocal best
+        if not pipes:
+            return None
+        counts = balance(pipes, N)
+        cost = plan_cost_s(pipes, counts, sync)
+        if best is None or cost < best[0]:
+            best = (cost, pipes, patterns)
+        slowest = max(t.time_s(m) for t, m in zip(pipes, counts, strict=True))
+        return int(np.searchsorted(taus, slowest, side="left"))
+
+    def feasible(j: int, cap: float) -> tuple[bool | None, int | None]:
+        """Is there a plan within taus[j] with overhead <= cap (units)? (None: not decided in time),
+        and the least candidate index the plan found shows feasible."""
+        quick = master.copies_plan(taus[j], cap)
+        pipes = quick[1] if quick else master.greedy_plan(taus[j], cap)
+        if pipes:
+            return True, offer(pipes, None)
+        status, _, pipes, patterns = master.solve_at(taus[j], cap, left(), minimise=False)
         if status == cp_model.INFEASIBLE:
-            return False
-        return True if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+            return False, None
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return True, offer(pipes, patterns)
+        return None, None
 
     # Staircase (module docstring): j is the first candidate not yet ruled out for overhead <= cap.
     j, cap, proven = 0, math.inf, True
-    while True:
-        limit = (best[0] if best else upper) - master.min_overhead
-        hi = int(np.searchsorted(taus, limit, side="left")) - 1  # candidates that could still win
-        if j > hi:
+    while proven:
+        useful = np.flatnonzero(floor[j:] < (best[0] if best else upper)) + j
+        if not len(useful):
             break
-        top = feasible(hi, cap)
+        hi = int(useful[-1])
+        top, seen = feasible(hi, cap)
         if not top:
             proven = top is not None
             break
-        lo = j
-        while lo < hi and proven:  # bisection: feasibility grows with tau
+        lo, hi = j, min(hi, seen if seen is not None else hi)
+        while lo < hi:  # bisection: feasibility grows with tau
             mid = (lo + hi) // 2
-            answer = feasible(mid, cap)
-            proven = answer is not None
-            lo, hi = (lo, mid) if answer else (mid + 1, hi)
+            answer, seen = feasible(mid, cap)
+            if answer is None:
+                proven = False
+                break
+            lo, hi = (lo, min(mid, seen if seen is not None else mid)) if answer else (mid + 1, hi)
         if not proven:
             break
         j = lo
@@ -386,29 +489,31 @@ def solve_master(
         if status != cp_model.OPTIMAL:
             proven = False
             break
-        cost = plan_cost_s(pipes, balance(pipes, N), sync)
-        if best is None or cost < best[0]:
-            best = (cost, pipes, patterns)
+        offer(pipes, patterns)
         cap = extra - 1  # from here on: strictly less overhead
         j += 1
     if best is None:
-        return None, (math.inf if proven else taus[min(j, len(taus) - 1)]), proven
+        return None, (math.inf if proven else float(floor[min(j, len(taus) - 1)])), proven
     cost, pipes, patterns = best
-    bound = cost if proven else min(cost, taus[min(j, len(taus) - 1)] + master.min_overhead)
+    bound = cost if proven else min(cost, float(floor[min(j, len(floor) - 1)]))
     return _result("OPTIMAL" if proven else "FEASIBLE", pipes, N, master, patterns, bound), bound, proven
 
 
 def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | None:
-    """The cheapest plan made of copies of one template (best-fit packing)."""
+    """The cheapest plan made of copies of one template (best-fit packing).
+
+    n copies split N micro-batches as evenly as possible, so the slowest takes ceil(N / n).
+    """
     best = None
     for i, t in enumerate(master.templates):
-        for n in range(1, master.copies[i] + 1):
-            pipes = [t] * n
-            if not master._packs(pipes):
-                break
-            cost = plan_cost_s(pipes, balance(pipes, master.N), master.sync)
+        lo, hi = 0, master.copies[i]  # copies that pack: the largest such n, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if master._packs([t] * mid) else (lo, mid - 1)
+        for n in range(1, lo + 1):
+            cost = t.time_s(-(-master.N // n)) + master.sync(n, t.max_params) + t.optimizer_s
             if best is None or cost < best[0]:
-                best = (cost, pipes, None)
+                best = (cost, [t] * n, None)
     return best
 
 

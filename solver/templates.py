@@ -37,6 +37,7 @@ Options `max_gpus`, `max_runs` and `max_stages` bound the search for very large 
 None the program enumerates the whole search space and is exact (`tests/test_solver_optimality.py`).
 """
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class Template:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    @property
+    @functools.cached_property
     def run_sizes(self) -> tuple[int, ...]:
         """GPUs of each run, in pipeline order."""
         sizes = [0] * (self.runs[-1] + 1)
@@ -71,11 +72,11 @@ class Template:
             sizes[run] += tp
         return tuple(sizes)
 
-    @property
+    @functools.cached_property
     def footprint(self) -> tuple[int, ...]:
         return tuple(sorted(self.run_sizes, reverse=True))
 
-    @property
+    @functools.cached_property
     def num_gpus(self) -> int:
         return sum(tp for _, _, tp in self.stages)
 
@@ -232,6 +233,27 @@ def prune(templates: list[Template]) -> list[Template]:
         if not no_worse.any():
             keep.append(t)
     return keep
+
+
+def fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> int:
+    """The fewest GPUs of any pipeline whose stages fit in memory (limit + 1 if more than limit).
+
+    From the back, stage count by stage count: the fewest GPUs covering layers [l, L) with k stages.
+    """
+    L, best = num_layers, limit + 1
+    reach = {L: 0}
+    for k in range(1, min(limit, L) + 1):
+        nxt: dict[int, int] = {}
+        for ell, used in reach.items():
+            for t, tab in tables.items():
+                if used + t >= best:
+                    continue
+                for s in range(ell):
+                    if tab.max_in_flight[s][ell] >= k and used + t < nxt.get(s, best):
+                        nxt[s] = used + t
+        best = min(best, nxt.get(0, best))
+        reach = {ell: used for ell, used in nxt.items() if ell > 0}
+    return best
 
 
 def _template(chain, a: float, m: float, w: int, o: float) -> Template:

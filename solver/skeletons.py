@@ -1,0 +1,241 @@
+"""Templates for large models with identical blocks: pipeline skeletons and a closed-form block split.
+
+The exact dynamic program (solver.templates) grows with layers x stages x footprints; a 70B model on
+hundreds of nodes is out of its reach. When every block of the layer list has the same profile row
+(as in every preset's analytic profile), a stage's cost depends only on its TP degree, whether it
+holds the embedding or the head, and its number of blocks b; the layer split of a pipeline whose
+stages' TP degrees are fixed then has a closed form:
+
+    stage s of p (front to back) keeps f = p - s micro-batches in flight; its memory admits at most
+    cap_mem(s) blocks, and a bound M on stage time at most cap_time(s, M) (both monotone in b).
+    The pipeline fits within M iff sum_s min(cap_mem, cap_time) >= blocks (the first and last stage
+    may hold none, the others at least one). The least such M is found by bisection over the stage
+    times; at that M, and at every larger threshold where A can still drop by more than (p - 1)
+    times the rise in M, the blocks go to the stages with the cheapest block first (time is linear
+    in b, so this least-cost filling minimises A), evenly within a TP degree (to keep W small).
+
+Skeletons (the family searched): a pipeline is a sequence of node runs, each a node class and a
+composition of its GPUs into TP degrees (non-increasing, e.g. 4+2+1 on a 7-GPU node); at most two
+kinds of runs per pipeline, each repeated, in either order; a run uses the whole node (its last
+stage takes the idle GPUs only if no TP degree fits them) unless the pipeline fits on one node.
+`solver.core` uses this family when the exact program would be too large and says so in the plan's
+solver block (`complete: false`).
+"""
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from costmodel.profile import ModelProfile
+from solver.stages import StageTable
+from solver.templates import Template
+
+MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
+
+
+def block_uniform(profile: ModelProfile) -> bool:
+    """Whether every block has the same profile row (then a stage's cost depends on its size only)."""
+    blocks = profile.layers[1:-1]
+    key = [(b.param_count, b.output_bytes_per_sample, b.costs) for b in blocks]
+    return len(blocks) >= 1 and all(k == key[0] for k in key)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A stage shape at one TP degree, by number of blocks b: where its layers start and end."""
+
+    start: list[int]  # first layer index for b blocks
+    end: list[int]
+    time: list[float]
+    params: list[int]
+    optimizer: list[float]
+    fits: list[int]  # micro-batches in flight that fit
+    lo: int  # fewest blocks
+
+
+class Splitter:
+    """Block splits for skeletons of one model, micro-batch size and set of stage tables."""
+
+    def __init__(self, tables: dict[int, StageTable], num_layers: int):
+        self.tables = tables
+        self.L = num_layers
+        self.n = num_layers - 2
+        self.kinds: dict[tuple[int, str], _Kind] = {}
+        n, L = self.n, num_layers
+        for tp, tab in tables.items():
+            shapes = {
+                "first": ([0] * (n + 1), [1 + b for b in range(n + 1)], 0),
+                "middle": ([1] * (n + 1), [1 + b for b in range(n + 1)], 1),
+                "last": ([L - 1 - b for b in range(n + 1)], [L] * (n + 1), 0),
+            }
+            for kind, (starts, ends, lo) in shapes.items():
+                self.kinds[tp, kind] = _Kind(
+                    starts,
+                    ends,
+                    [tab.time_s[s][e] if e > s else 0.0 for s, e in zip(starts, ends, strict=True)],
+                    [tab.params[s][e] for s, e in zip(starts, ends, strict=True)],
+                    [tab.optimizer_s[s][e] for s, e in zip(starts, ends, strict=True)],
+                    [tab.max_in_flight[s][e] if e > s else -1 for s, e in zip(starts, ends, strict=True)],
+                    lo,
+                )
+
+    def templates(self, tps: Sequence[int], runs: Sequence[int]) -> list[Template]:
+        """Templates of the skeleton: stage TP degrees front to back, and the run of each stage."""
+        p = len(tps)
+        if p == 1:
+            tab = self.tables[tps[0]]
+            if tab.max_in_flight[0][self.L] < 1:
+                return []
+            t = tab.time_s[0][self.L]
+            return [
+                Template(
+                    ((0, self.L, tps[0]),), (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L]
+                )
+            ]
+        if p > self.n + 2:
+            return []
+        kinds = [
+            self.kinds[tp, "first" if s == 0 else ("last" if s == p - 1 else "middle")]
+            for s, tp in enumerate(tps)
+        ]
+        mem = []
+        for s, k in enumerate(kinds):
+            f, b = p - s, k.lo
+            while b <= self.n and k.fits[b] >= f:
+                b += 1
+            if b - 1 < k.lo:
+                return []
+            mem.append(b - 1)
+        if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
+            return []
+        times = sorted({k.time[b] for k, top in zip(kinds, mem, strict=True) for b in range(k.lo, top + 1)})
+
+        def caps(limit: float) -> list[int] | None:
+            out = []
+            for k, top in zip(kinds, mem, strict=True):
+                c = min(top, bisect.bisect_right(k.time, limit, lo=k.lo, hi=top + 1) - 1)
+                if c < k.lo:
+                    return None
+                out.append(c)
+            return out if sum(out) >= self.n else None
+
+        lo, hi = 0, len(times) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if caps(times[mid]) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        first = self._fill(tps, runs, kinds, caps(times[lo]))
+        least = self._fill(tps, runs, kinds, caps(times[-1]))  # the smallest A at any M
+        found = [first]
+        for limit in times[lo + 1 : lo + 1 + MAX_EXTRA_THRESHOLDS]:
+            if (p - 1) * (limit - first.bottleneck_s) >= first.pipeline_s - least.pipeline_s:
+                break  # a larger M can no longer pay for itself with a smaller A
+            t = self._fill(tps, runs, kinds, caps(limit))
+            if t.pipeline_s < found[-1].pipeline_s:
+                found.append(t)
+        return found
+
+    def _fill(self, tps, runs, kinds: list[_Kind], caps: list[int]) -> Template:
+        """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree."""
+        blocks = [k.lo for k in kinds]
+        left = self.n - sum(blocks)
+        for tp in sorted(
+            set(tps), key=lambda t: self.kinds[t, "middle"].time[2] - self.kinds[t, "middle"].time[1]
+        ):
+            group = [s for s, t in enumerate(tps) if t == tp]
+            while left and any(blocks[s] < caps[s] for s in group):
+                s = min(
+                    (s for s in group if blocks[s] < caps[s]), key=lambda s: kinds[s].params[blocks[s] + 1]
+                )
+                blocks[s] += 1
+                left -= 1
+        stages, start = [], 0
+        for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
+            end = k.end[b] if s == 0 else start + b + (1 if s == len(tps) - 1 else 0)
+            stages.append((start, end, tps[s]))
+            start = end
+        time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
+        p2p = sum(
+            2
+            * (
+                self.tables[tps[s]].p2p_intra_s if runs[s] == runs[s + 1] else self.tables[tps[s]].p2p_inter_s
+            )[e]
+            for s, (_, e, _) in enumerate(stages[:-1])
+        )
+        return Template(
+            tuple(stages),
+            tuple(runs),
+            sum(time) + p2p,
+            max(time),
+            max(k.params[b] for k, b in zip(kinds, blocks, strict=True)),
+            max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
+        )
+
+
+def compositions(capacity: int, tps: Sequence[int]) -> list[tuple[int, ...]]:
+    """Non-increasing TP compositions of a node that leave no room for another stage."""
+    smallest = min(tps)
+    out = []
+
+    def extend(prefix: tuple[int, ...], room: int) -> None:
+        grew = False
+        for t in sorted(tps, reverse=True):
+            if t <= room and (not prefix or t <= prefix[-1]):
+                grew = True
+                extend((*prefix, t), room - t)
+        if not grew and prefix and room < smallest:
+            out.append(prefix)
+
+    extend((), capacity)
+    return out
+
+
+def skeletons(
+    capacities: Sequence[int], tps: Sequence[int], max_runs: int, single_node: bool
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(stage TP degrees, run of each stage) of every skeleton of the family (module docstring)."""
+    classes = sorted(set(capacities), reverse=True)
+    seen = set()
+
+    def once(runs_list: list[tuple[int, ...]]):
+        key = (
+            tuple(t for rho in runs_list for t in rho),
+            tuple(r for r, rho in enumerate(runs_list) for _ in rho),
+        )
+        if key not in seen:
+            seen.add(key)
+            yield key
+
+    # Pipelines on one node: any composition that fits, leaving the rest of the node to others.
+    for size in range(1, (classes[0] if single_node else max(classes)) + 1):
+        for rho in compositions(size, [t for t in tps if t <= size]):
+            yield from once([rho])
+    if single_node:
+        return
+    # Across nodes: whole-node runs of one or two kinds, each kind repeated.
+    kinds = list(dict.fromkeys(rho for c in classes for rho in compositions(c, [t for t in tps if t <= c])))
+    for first in kinds:
+        for count in range(2, max_runs + 1):
+            yield from once([first] * count)
+        for second in kinds:
+            if second != first:
+                for r1 in range(1, max_runs):
+                    for r2 in range(1, max_runs - r1 + 1):
+                        yield from once([first] * r1 + [second] * r2)
+
+
+def generate_skeletal(
+    tables: dict[int, StageTable],
+    num_layers: int,
+    capacities: Sequence[int],
+    *,
+    single_node: bool,
+    max_runs: int,
+) -> list[Template]:
+    splitter = Splitter(tables, num_layers)
+    out = []
+    for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
+        out += splitter.templates(tps, runs)
+    return out
