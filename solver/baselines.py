@@ -13,6 +13,8 @@ pow2-greedy  the Elastor paper's released heuristic: on every node, power-of-two
 node-drop    (in solver/__init__.py) Elastor's own search on the fully healthy nodes only.
 """
 
+import heapq
+import itertools
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -23,6 +25,7 @@ from costmodel.estimate import CostModel
 from costmodel.profile import ModelProfile
 from solver.core import sync, tp_degrees
 from solver.master import balance
+from solver.skeletons import Splitter, block_uniform
 from solver.stages import StageTable, stage_table
 
 # A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
@@ -183,30 +186,32 @@ def pow2_greedy(
 ) -> tuple[float, Plan] | None:
     cm = CostModel(profile, cluster)
     L = profile.model.num_layers
+    uniform_blocks = block_uniform(profile)
     best = None
     for mbs in sizes:
         N = gbs // mbs
         allowed = tp_degrees(profile, cluster)
         tables = {t: stage_table(cm, t, mbs) for t in allowed}
-        arrays = {t: (np.array(tab.time_s), np.array(tab.max_in_flight)) for t, tab in tables.items()}
-        splits: dict[tuple[int, ...], list | None] = {}
+        split = _BalancedSplit(tables, L, uniform_blocks)
+
         for nominal in [t for t in allowed if t & (t - 1) == 0]:
             groups = pow2_groups(cluster, nominal, allowed)
             for D in range(1, len(groups) + 1):
                 members: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
+                loads = [(0, i) for i in range(D)]  # (GPUs, pipeline): each group to the emptiest
                 for g in groups:
-                    min(members, key=lambda m: sum(x[0] for x in m)).append(g)
+                    gpus, i = heapq.heappop(loads)
+                    members[i].append(g)
+                    heapq.heappush(loads, (gpus + g[0], i))
                 pipes = []
                 for member in members:
-                    key = tuple(x[0] for x in member)
-                    if key not in splits:
-                        splits[key] = balanced_split(arrays, key, L)
-                    if not member or splits[key] is None:
+                    bounds = split.of(member)
+                    if bounds is None:
                         break
                     pipes.append(
                         [
                             (s, e, size, node, first)
-                            for (s, e), (size, node, first) in zip(splits[key], member, strict=True)
+                            for (s, e), (size, node, first) in zip(bounds, member, strict=True)
                         ]
                     )
                 else:
@@ -220,6 +225,27 @@ def pow2_greedy(
         return None
     cost, (mbs, pipes, counts) = best
     return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
+
+
+class _BalancedSplit:
+    """The balanced layer split of one pipeline's groups, cached by TP degrees and node changes."""
+
+    def __init__(self, tables: dict[int, StageTable], num_layers: int, uniform_blocks: bool):
+        self.L = num_layers
+        self.splitter = Splitter(tables, num_layers) if uniform_blocks else None
+        self.arrays = {t: (np.array(tab.time_s), np.array(tab.max_in_flight)) for t, tab in tables.items()}
+        self.cache: dict[tuple, list | None] = {}
+
+    def of(self, member: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
+        tps = tuple(size for size, _, _ in member)
+        runs = tuple(itertools.accumulate((a[1] != b[1] for a, b in pairwise(member)), initial=0))
+        if (tps, runs) not in self.cache:
+            if self.splitter is not None:  # identical blocks: the closed form of solver.skeletons
+                found = self.splitter.templates(tps, runs)
+                self.cache[tps, runs] = [(s, e) for s, e, _ in found[0].stages] if found else None
+            else:
+                self.cache[tps, runs] = balanced_split(self.arrays, tps, self.L)
+        return self.cache[tps, runs]
 
 
 class _Line:
