@@ -41,7 +41,7 @@ from costmodel.errors import ElastorError
 from costmodel.estimate import CostModel
 from costmodel.profile import ModelProfile
 from solver import baselines
-from solver.core import Limits, Outcome, search, tp_degrees, usable_micro_batch_sizes
+from solver.core import Limits, Outcome, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
@@ -103,7 +103,30 @@ def solve(
 
 
 def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
-    return search(profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits)
+    """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
+    solved again with the faster baselines' pipelines among its templates."""
+    started = time.perf_counter()
+    capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
+    outcome = search(profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits)
+    if (limits or plan_limits(profile, capacities)).complete:
+        return outcome
+    seeds = [
+        found
+        for family in (baselines.uniform, baselines.pow2_greedy)
+        if (found := family(profile, cluster, gbs, sizes)) and found[0] < outcome.objective_s * (1 - 1e-12)
+    ]
+    if not seeds:
+        return outcome
+    left = time_limit_s - (time.perf_counter() - started)
+    return search(
+        profile,
+        cluster,
+        gbs,
+        micro_batch_sizes=sizes,
+        time_limit_s=max(left, 0.0),
+        limits=limits,
+        seeds=[plan for _, plan in seeds],
+    )
 
 
 def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:

@@ -8,12 +8,14 @@ this kind that happens to use one node is only over-priced, and the first proble
 """
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from costmodel import ClusterSpec, Plan
+from costmodel import ClusterSpec, Pipeline, Plan
+from costmodel.cluster import parse_device
 from costmodel.estimate import CostModel, StageCost
 from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
@@ -102,11 +104,15 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
 
 
 def plan_limits(profile: ModelProfile, capacities: Sequence[int]) -> Limits:
-    """No limits (the exact, complete search) when the instance is small enough for it."""
+    """No limits (the exact, complete search) when the instance is small enough for it; beyond, the
+    skeleton family for models with identical blocks, else the exact program for pipelines of at
+    most a node's GPUs (in at most two runs when the model is deep)."""
     if sum(capacities) <= EXACT_GPUS and profile.model.num_layers <= EXACT_LAYERS:
         return Limits()
+    if block_uniform(profile):
+        return Limits(skeletal=True)
     runs = 2 if profile.model.num_layers > EXACT_LAYERS else None
-    return Limits(max_gpus=max(capacities), max_runs=runs, max_stages=None, skeletal=True)
+    return Limits(max_gpus=max(capacities), max_runs=runs)
 
 
 def candidates(
@@ -116,16 +122,18 @@ def candidates(
     single_node: bool,
     limits: Limits,
     incumbent: float,
+    seeded: Sequence[Template] = (),
 ) -> list[Template]:
-    """Templates of the searched space: the exact program within `limits`, plus skeletons."""
+    """Templates of the searched space: skeletons (models with identical blocks) or the exact program
+    within `limits`, plus the `seeded` pipelines of other methods' plans."""
     L = profile.model.num_layers
-    found = []
-    smallest = fewest_gpus(tables, L, sum(capacities))
+    found = list(seeded)
     if limits.skeletal and block_uniform(profile):
         # Runs enough for twice the smallest pipeline, at least two.
+        smallest = fewest_gpus(tables, L, sum(capacities))
         runs = max(2, math.ceil(2 * smallest / max(capacities)))
         found += generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs)
-    if not limits.skeletal or smallest <= max(capacities):
+    else:
         found += generate(
             tables,
             L,
@@ -139,6 +147,26 @@ def candidates(
     return prune(found)
 
 
+def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
+    """The template of a pipeline of a plan: runs are its stages' stretches on one node."""
+    stages = tuple((*st.layers, st.tp_degree) for st in pipe.stages)
+    nodes = [parse_device(st.devices[0])[0] for st in pipe.stages]
+    runs = tuple(itertools.accumulate((a != b for a, b in itertools.pairwise(nodes)), initial=0))
+    time = [tables[tp].time_s[s][e] for s, e, tp in stages]
+    p2p = sum(
+        2 * (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[e]
+        for i, (_, e, tp) in enumerate(stages[:-1])
+    )
+    return Template(
+        stages,
+        runs,
+        sum(time) + p2p,
+        max(time),
+        max(tables[tp].params[s][e] for s, e, tp in stages),
+        max(tables[tp].optimizer_s[s][e] for s, e, tp in stages),
+    )
+
+
 def search(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -148,8 +176,13 @@ def search(
     time_limit_s: float,
     limits: Limits | None = None,
     upper_bound_s: float = math.inf,
+    seeds: Sequence[Plan] = (),
 ) -> Outcome:
-    """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan."""
+    """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan.
+
+    The pipelines of `seeds` (plans of other methods) join the templates of their micro-batch size,
+    so a bounded search never returns a plan slower than any of them.
+    """
     started = time.perf_counter()
     cm = CostModel(profile, cluster)
     tps = tp_degrees(profile, cluster)
@@ -165,7 +198,15 @@ def search(
             tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
         incumbent = min(upper_bound_s, best[0] if best else math.inf)
         nodes = capacities if inter else [max(capacities)]
-        templates = candidates(tables_for[mbs], profile, nodes, not inter, limits, incumbent)
+        seeded = [
+            template_of(p, tables_for[mbs])
+            for plan in seeds
+            if plan.micro_batch_size == mbs
+            for p in plan.pipelines
+        ]
+        templates = candidates(
+            tables_for[mbs], profile, nodes, not inter, limits, incumbent, seeded if inter else []
+        )
         num_templates += len(templates)
         if not templates:
             continue

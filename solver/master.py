@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from solver.templates import Template
+from solver.templates import Packer, Template
 
 UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
 
@@ -182,6 +182,13 @@ class Master:
         self.p_max = max(self.copies, default=0)
         self.min_overhead = min((t.optimizer_s for t in ts), default=0.0)
         self.runs = [Counter(t.run_sizes) for t in ts]
+        prints = sorted({t.footprint for t in ts})
+        self.footprint = np.array([prints.index(t.footprint) for t in ts], dtype=np.int64)
+        self.packs_into = np.array([[Packer(b).fits(a) for b in prints] for a in prints]).reshape(
+            len(prints), -1
+        )
+        self.W = np.array([t.max_params for t in ts], dtype=np.int64)
+        self.O = np.array([t.optimizer_s for t in ts])
         self.sizes = sorted({d for c in self.runs for d in c})
         self.scale: _Scale | None = None  # set_scale: solve_master sets it from the incumbent
         self.units = np.zeros((len(ts), 0), dtype=np.int64)
@@ -219,20 +226,32 @@ class Master:
         return np.unique(np.concatenate(values)) if values else np.array([])
 
     def least_overhead(self, taus: np.ndarray) -> np.ndarray:
-        """Per bound tau, a lower bound on the overhead of any plan within it: it needs at least
-        ceil(N / max_t k_t(tau)) pipelines, and sync and optimizer grow with pipelines and size."""
-        w = min(t.max_params for t in self.templates)
-        o = min(t.optimizer_s for t in self.templates)
-        most = np.zeros(len(taus), dtype=np.int64)
-        for lo in range(0, len(self.templates), 64):  # chunks keep the [taus x templates] block small
-            A, M, p = self.A[lo : lo + 64], self.M[lo : lo + 64], self.p[lo : lo + 64]
+        """Per bound tau, a lower bound on the overhead of any plan within it.
+
+        If the plan's largest stage has w parameters, it uses only templates with W_t <= w, whose
+        pipelines hold at most K_w(tau) = max k_t(tau) micro-batches each, so it has at least
+        ceil(N / K_w(tau)) pipelines; sync grows with pipelines, and the optimizer step is at least the
+        least of all. The bound is the least over w.
+        """
+        order = np.argsort([t.max_params for t in self.templates], kind="stable")
+        widths = np.array([self.templates[i].max_params for i in order])
+        sync = np.array(
+            [[self.sync(P, int(w)) for w in widths] for P in range(1, self.p_max + 1)]
+        )  # [P - 1, template by width]
+        least = np.full(len(taus), np.inf)
+        for lo in range(0, len(taus), 2048):  # chunks keep the [taus x templates] block small
+            tau = taus[lo : lo + 2048, None]
+            A, M, p = self.A[order], self.M[order], self.p[order]
             with np.errstate(divide="ignore", invalid="ignore"):
-                k = np.floor((taus[:, None] - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
+                k = np.floor((tau - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
             k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
             k = np.where(k >= p, k, 0)
-            most = np.maximum(most, k.max(axis=1).astype(np.int64))
-        pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), 1)
-        return np.array([self.sync(int(P), w) for P in pipelines]) + o
+            most = np.maximum.accumulate(k, axis=1)  # K_w for w = each template's width, in order
+            pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), self.p_max + 1).astype(np.int64)
+            over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))]
+            over = np.where(pipelines <= self.p_max, over, np.inf)
+            least[lo : lo + 2048] = over.min(axis=1)
+        return least + min(t.optimizer_s for t in self.templates)
 
     # ---- one template repeated: quick answers ------------------------------------------------------
     def set_scale(self, scale: _Scale) -> None:
@@ -315,14 +334,34 @@ class Master:
         return pack_best_fit(runs, self.capacities) is not None
 
     def _coverage_bound(self, k: np.ndarray, live: list[int], cap: float) -> float:
-        """At most this many micro-batches fit within tau: relax to GPUs in all and pipelines in all
-        (a pipeline of template t holds k_t of them on G_t GPUs; the overhead cap bounds P)."""
+        """At most this many micro-batches fit within tau and overhead cap. A plan of P pipelines uses
+        only templates that allow P within the cap; relax the packing to GPUs in all: P pipelines hold
+        at most P max k, and the GPUs at most (GPUs) max k / G, of those templates."""
         gpus = sum(self.capacities)
         most = self.most_pipelines(cap)[live]
-        by_gpus = gpus * max(k[i] / self.templates[i].num_gpus for i in live)
-        by_count = int(most.max()) * int(k[live].max())
-        by_copies = int(np.minimum(np.array(self.copies)[live], most) @ k[live])
-        return min(by_gpus, by_count, by_copies)
+        kk = k[live].astype(float)
+        per_gpu = kk / np.array([self.templates[i].num_gpus for i in live])
+        copies = np.minimum(np.array(self.copies)[live], most)
+        best = 0.0
+        for P in range(1, int(most.max(initial=0)) + 1):
+            ok = most >= P
+            bound = min(P * kk[ok].max(), gpus * per_gpu[ok].max(), float(copies[ok] @ kk[ok]))
+            best = max(best, bound)
+        return best
+
+    def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
+        """Within tau a template is only its capacity k, stages p, W, O and footprint: drop one when
+        another is no worse in all of them (more k, fewer p, ...) and packs wherever it does."""
+        idx = np.array(live)
+        kk, p, w, o, f = k[idx], self.p[idx], self.W[idx], self.O[idx], self.footprint[idx]
+        keep = []
+        for a, i in enumerate(idx):
+            better = (kk >= kk[a]) & (p[a] >= p) & (w[a] >= w) & (o[a] >= o) & self.packs_into[f, f[a]]
+            same = (kk == kk[a]) & (p[a] == p) & (w[a] == w) & (o[a] == o) & (f[a] == f)
+            better[a:] &= ~same[a:]  # of equal ones keep the first
+            if not better.any():
+                keep.append(int(i))
+        return keep
 
     # ---- the CP-SAT model at fixed tau -------------------------------------------------------------
     def solve_at(self, tau: float, cap: float, time_limit_s: float, minimise: bool):
@@ -338,6 +377,7 @@ class Master:
         live = list(np.flatnonzero(k))
         if not live or self._coverage_bound(k, live, cap) < self.N:
             return cp_model.INFEASIBLE, None, None, None
+        live = self._undominated(k, live)
         model = cp_model.CpModel()
         n = {i: model.NewIntVar(0, self.copies[i], f"n{i}") for i in live}
         model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)

@@ -17,7 +17,9 @@ stages' TP degrees are fixed then has a closed form:
 Skeletons (the family searched): a pipeline is a sequence of node runs, each a node class and a
 composition of its GPUs into TP degrees (non-increasing, e.g. 4+2+1 on a 7-GPU node); at most two
 kinds of runs per pipeline, each repeated, in either order; a run uses the whole node (its last
-stage takes the idle GPUs only if no TP degree fits them) unless the pipeline fits on one node.
+stage takes the idle GPUs only if no TP degree fits them) unless the pipeline fits on one node;
+and pipelines of up to four partial runs holding one node's worth of GPUs in all (several nodes'
+leftovers joined), larger runs first.
 `solver.core` uses this family when the exact program would be too large and says so in the plan's
 solver block (`complete: false`).
 """
@@ -31,6 +33,7 @@ from solver.stages import StageTable
 from solver.templates import Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
+LEFTOVER_RUNS = 4  # runs of a pipeline made of several nodes' leftover GPUs
 
 
 def block_uniform(profile: ModelProfile) -> bool:
@@ -214,6 +217,24 @@ def skeletons(
             yield from once([rho])
     if single_node:
         return
+    # Across nodes, small: up to LEFTOVER_RUNS runs of any size, one node's worth of GPUs in all
+    # (leftovers of several nodes joined into one pipeline), larger runs first.
+    pieces = [
+        rho
+        for size in range(1, max(classes) + 1)
+        for rho in compositions(size, [t for t in tps if t <= size])
+    ]
+    pieces.sort(key=lambda rho: (-sum(rho), [-t for t in rho]))
+
+    def joined(prefix: list[tuple[int, ...]], start: int, room: int):
+        if len(prefix) >= 2:
+            yield from once(prefix)
+        if len(prefix) < LEFTOVER_RUNS:
+            for i in range(start, len(pieces)):
+                if sum(pieces[i]) <= room:
+                    yield from joined([*prefix, pieces[i]], i, room - sum(pieces[i]))
+
+    yield from joined([], 0, max(classes))
     # Across nodes: whole-node runs of one or two kinds, each kind repeated.
     kinds = list(dict.fromkeys(rho for c in classes for rho in compositions(c, [t for t in tps if t <= c])))
     for first in kinds:

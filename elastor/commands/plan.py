@@ -1,0 +1,101 @@
+"""`elastor plan`: the fastest plan for a profile on a set of healthy GPUs, and how the baselines compare."""
+
+import argparse
+
+import solver
+from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
+from costmodel.estimate import CostModel
+from costmodel.jsonio import read_json, write_json
+from costmodel.table import format_table
+from elastor.commands import subcommand
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subcommand(
+        subparsers,
+        "plan",
+        "Solve for the fastest plan of a profile on a cluster's healthy GPUs; print its stages and cost "
+        "terms, and with --compare the baselines' predicted throughput.",
+        "elastor plan --profile p7.json --cluster 8,7 --global-batch-size 128 --compare --out plan.json",
+    )
+    p.add_argument("--profile", required=True, help="profile JSON (elastor profile)")
+    p.add_argument("--cluster", required=True, help='healthy GPUs per node ("8,8,7") or a cluster JSON file')
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per training step")
+    p.add_argument(
+        "--method", choices=solver.METHODS, default="elastor", help="planner (default: %(default)s)"
+    )
+    p.add_argument("--compare", action="store_true", help="also solve with every other method and compare")
+    p.add_argument(
+        "--micro-batch-sizes", help="micro-batch sizes to consider, comma-separated (default: all profiled)"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=solver.DEFAULT_TIME_LIMIT_S,
+        help="seconds for the solver (default: %(default)s)",
+    )
+    p.add_argument("--out", required=True, help="the plan JSON to write")
+    p.set_defaults(run=run)
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[ModelProfile, ClusterSpec]:
+    """The profile, and the cluster (a short form takes the profile's device kind)."""
+    profile = ModelProfile.from_json(read_json(args.profile, "profile"))
+    return profile, ClusterSpec.parse(args.cluster, profile.device_kind)
+
+
+def micro_batch_sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ElastorError(
+            f"--micro-batch-sizes {text!r} is not a comma-separated list of integers."
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    profile, cluster = load_inputs(args)
+    sizes = micro_batch_sizes(args.micro_batch_sizes)
+    plan = solver.solve(profile, cluster, args.global_batch_size, args.method, sizes, args.time_limit)
+    write_json(args.out, plan.to_json())
+    print(plan.summary())
+    print(CostModel(profile, cluster).estimate(plan).explain())
+    info = plan.solver
+    print(
+        f"{info['method']}: {info['status']} (gap {info['gap']:.2%}) in {info['wall_s']:.2f} s"
+        + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
+        + f"; wrote {args.out}"
+    )
+    if args.compare:
+        print(compare(profile, cluster, args.global_batch_size, plan, sizes, args.time_limit))
+    return 0
+
+
+def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) -> str:
+    """Every method's predicted throughput side by side, relative to `plan`'s."""
+    own = plan.predicted["samples_per_s"]
+    rows = [("method", "samples/s", "vs " + plan.solver["method"], "pipelines", "GPUs used", "status")]
+    for method in solver.METHODS:
+        try:
+            other = (
+                plan
+                if method == plan.solver["method"]
+                else solver.solve(profile, cluster, gbs, method, sizes, time_limit_s)
+            )
+        except ElastorError as e:
+            rows.append((method, "-", "-", "-", "-", f"no plan: {e}"))
+            continue
+        rate = other.predicted["samples_per_s"]
+        rows.append(
+            (
+                method,
+                f"{rate:.3f}",
+                f"{rate / own:.3f}",
+                len(other.pipelines),
+                other.world_size,
+                other.solver["status"],
+            )
+        )
+    return format_table(rows)
