@@ -184,9 +184,7 @@ class Master:
         self.runs = [Counter(t.run_sizes) for t in ts]
         prints = sorted({t.footprint for t in ts})
         self.footprint = np.array([prints.index(t.footprint) for t in ts], dtype=np.int64)
-        self.packs_into = np.array([[Packer(b).fits(a) for b in prints] for a in prints]).reshape(
-            len(prints), -1
-        )
+        self.packs_into = np.array([[Packer(b).fits(a) for b in prints] for a in prints], dtype=bool)
         self.W = np.array([t.max_params for t in ts], dtype=np.int64)
         self.O = np.array([t.optimizer_s for t in ts])
         self.sizes = sorted({d for c in self.runs for d in c})
