@@ -1,0 +1,258 @@
+"""Solver pieces against their definitions, and the plans of large instances (analytic profiles)
+against the cost model, the baselines and the one-sentence infeasibility errors."""
+
+import itertools
+import random
+
+import pytest
+from helpers import TIED_TINY
+from synthetic import synthetic_profile
+
+import solver
+from costmodel import PRESETS, ClusterSpec, ElastorError
+from costmodel.estimate import CostModel
+from profiler.analytic import analytic_profile
+from solver.baselines import equal_split, pow2_groups
+from solver.master import balance, maximal_patterns
+from solver.skeletons import Splitter, block_uniform, compositions
+from solver.stages import NO_FIT, stage_table
+from solver.templates import Packer, Template, lower_envelope
+from solver.whatif import failure_order, parse_range
+
+TINY = PRESETS["gpt-tiny"]
+
+
+# ---- stage tables: every range equals CostModel.stage ---------------------------------------------
+@pytest.mark.parametrize("config", [TINY, TIED_TINY], ids=["untied", "tied"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mbs", [1, 2])
+def test_stage_table_matches_the_cost_model_on_every_range(config, tp, mbs):
+    profile = synthetic_profile(config, tp_degrees=(1, 2), rng=random.Random(7))
+    cm = CostModel(profile, ClusterSpec.parse("4", "cpu"))
+    table = stage_table(cm, tp, mbs)
+    L = config.num_layers
+    for s, e in itertools.combinations(range(L + 1), 2):
+        cost = cm.stage(s, e, tp, mbs)
+        assert table.time_s[s][e] == pytest.approx(cost.fwd_s + cost.bwd_s, rel=1e-12)
+        assert table.params[s][e] == cost.param_count
+        assert table.optimizer_s[s][e] == pytest.approx(cost.optimizer_s, rel=1e-12)
+        for held in range(1, 5):  # max_in_flight: the most micro-batches whose peak memory fits
+            fits = sum(cost.memory_bytes(held).values()) <= cm.usable_memory_bytes
+            assert fits == (held <= table.max_in_flight[s][e])
+        if e < L:
+            assert table.p2p_inter_s[e] == pytest.approx(cm.p2p_s(cost, inter_node=True), rel=1e-12)
+            assert table.p2p_intra_s[e] == pytest.approx(cm.p2p_s(cost, inter_node=False), rel=1e-12)
+
+
+def test_a_stage_too_large_for_memory_is_marked():
+    profile = synthetic_profile(TINY)
+    tiny = ClusterSpec.parse("1", "cpu")
+    cm = CostModel(profile, tiny)
+    cm.usable_memory_bytes = 1  # nothing fits
+    assert stage_table(cm, 1, 1).max_in_flight[0][TINY.num_layers] == NO_FIT
+
+
+# ---- packing, envelopes, patterns, micro-batch split ----------------------------------------------
+def test_packer_is_exact_against_every_assignment():
+    rng = random.Random(3)
+    for _ in range(300):
+        bins = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
+        runs = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        brute = any(
+            all(
+                sum(r for r, b in zip(runs, where, strict=True) if b == i) <= cap
+                for i, cap in enumerate(bins)
+            )
+            for where in itertools.product(range(len(bins)), repeat=len(runs))
+        )
+        assert Packer(bins).fits(runs) == brute, (bins, runs)
+
+
+def _line(a, m, w=1, p=2):
+    stages = tuple((0, 1, 1) for _ in range(p))
+    return Template(stages, tuple(range(p)), a, m, w, 0.0)
+
+
+def test_lower_envelope_keeps_exactly_the_lines_lowest_somewhere():
+    rng = random.Random(5)
+    for _ in range(200):
+        lines = [_line(rng.uniform(1, 10), rng.uniform(0.1, 2), w=rng.randint(1, 3)) for _ in range(6)]
+        kept = lower_envelope(lines)
+        for cand in lines:
+            rivals = [o for o in lines if o is not cand and o.max_params <= cand.max_params]
+            lowest = any(
+                all(cand.time_s(m) < o.time_s(m) for o in rivals) for m in [x / 4 for x in range(8, 400)]
+            )
+            if lowest:  # a line lowest on a sampled m must be kept (the converse needs exact points)
+                assert cand in kept
+
+
+def test_maximal_patterns_admit_no_further_run():
+    for pattern in maximal_patterns([1, 2, 3], 7):
+        assert sum(pattern) <= 7 and 7 - sum(pattern) < 1
+    assert sorted(maximal_patterns([4, 2], 7)) == [(2, 2, 2), (4, 2)]
+
+
+def test_balance_minimises_the_slowest_pipeline():
+    rng = random.Random(9)
+    for _ in range(100):
+        pipes = [_line(rng.uniform(1, 5), rng.uniform(0.1, 1), p=rng.randint(1, 3)) for _ in range(3)]
+        N = rng.randint(9, 14)
+        counts = balance(pipes, N)
+        best = min(
+            max(t.time_s(m) for t, m in zip(pipes, split, strict=True))
+            for split in itertools.product(range(1, N + 1), repeat=3)
+            if sum(split) == N and all(m >= t.num_stages for t, m in zip(pipes, split, strict=True))
+        )
+        assert max(t.time_s(m) for t, m in zip(pipes, counts, strict=True)) == pytest.approx(best)
+
+
+# ---- skeletons ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def p7():
+    return analytic_profile(
+        PRESETS["llama2-7b"],
+        device_kind="H100-80GB",
+        micro_batch_sizes=[1, 2],
+        tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )
+
+
+@pytest.fixture(scope="module")
+def p70():
+    return analytic_profile(
+        PRESETS["llama2-70b"],
+        device_kind="H100-80GB",
+        micro_batch_sizes=[1],
+        tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )
+
+
+def test_compositions_fill_the_node_in_non_increasing_degrees():
+    assert set(compositions(7, [1, 2, 4])) == {
+        (4, 2, 1),
+        (4, 1, 1, 1),
+        (2, 2, 2, 1),
+        (2, 2, 1, 1, 1),
+        (2,) + (1,) * 5,
+        (1,) * 7,
+    }
+    assert compositions(6, [4]) == [(4,)]  # the last 2 GPUs stay idle: no degree fits them
+
+
+def test_skeleton_split_is_priced_like_the_cost_model(p70):
+    cluster = ClusterSpec.parse("8,8,8,8,8,7,7,7", p70.device_kind)
+    cm = CostModel(p70, cluster)
+    assert block_uniform(p70)
+    tables = {t: stage_table(cm, t, 1) for t in (1, 2, 4, 8)}
+    splitter = Splitter(tables, p70.model.num_layers)
+    runs = [(4, 2, 1)] * 2 + [(8,)] * 5
+    tps = tuple(t for r in runs for t in r)
+    run_ids = tuple(i for i, r in enumerate(runs) for _ in r)
+    template = splitter.templates(tps, run_ids)[0]
+    assert [tp for _, _, tp in template.stages] == list(tps)
+    assert template.stages[0][0] == 0 and template.stages[-1][1] == p70.model.num_layers
+    # The stage times and memory the split assumed are the cost model's.
+    for s, (start, end, tp) in enumerate(template.stages):
+        cost = cm.stage(start, end, tp, 1)
+        assert sum(cost.memory_bytes(len(tps) - s).values()) <= cm.usable_memory_bytes
+        assert cost.fwd_s + cost.bwd_s <= template.bottleneck_s * (1 + 1e-12)
+
+
+# ---- large instances: valid, priced, never below a baseline ---------------------------------------
+@pytest.mark.parametrize("counts", ["8,7", "8,8,8,7", "7,7,6"])
+def test_llama2_7b_plans_beat_every_baseline(p7, counts):
+    cluster = ClusterSpec.parse(counts, p7.device_kind)
+    cm = CostModel(p7, cluster)
+    plan = solver.solve(p7, cluster, 128)
+    estimate = cm.estimate(plan.validate(cluster))
+    assert estimate.fits and plan.predicted["step_time_s"] == estimate.step_time_s
+    assert plan.solver["status"] in ("OPTIMAL", "FEASIBLE") and plan.solver["complete"] is False
+    for method in ("uniform", "node-drop", "pow2-greedy"):
+        try:
+            other = solver.solve(p7, cluster, 128, method=method)
+        except ElastorError:
+            continue
+        assert cm.estimate(other.validate(cluster)).fits
+        assert plan.predicted["samples_per_s"] >= other.predicted["samples_per_s"] * (1 - 1e-12), method
+
+
+def test_llama2_70b_on_eight_nodes_with_three_failures(p70):
+    cluster = ClusterSpec.parse("8,8,8,8,8,7,7,7", p70.device_kind)
+    plan = solver.solve(p70, cluster, 128)
+    assert CostModel(p70, cluster).estimate(plan.validate(cluster)).fits
+    pow2 = solver.solve(p70, cluster, 128, method="pow2-greedy")
+    assert plan.predicted["samples_per_s"] >= pow2.predicted["samples_per_s"]
+
+
+def test_baseline_families_keep_their_shape(p7):
+    cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
+    uniform = solver.solve(p7, cluster, 128, method="uniform")
+    shapes = {tuple((st.layers, st.tp_degree) for st in pipe.stages) for pipe in uniform.pipelines}
+    assert len(shapes) == 1 and len({pipe.num_microbatches for pipe in uniform.pipelines}) == 1
+    dropped = solver.solve(p7, cluster, 128, method="node-drop")
+    assert {d.split(":")[0] for d in dropped.devices} <= {"n0", "n1"}
+    pow2 = solver.solve(p7, cluster, 128, method="pow2-greedy")
+    assert all(st.tp_degree & (st.tp_degree - 1) == 0 for pipe in pow2.pipelines for st in pipe.stages)
+
+
+def test_pow2_groups_take_powers_of_two_largest_first():
+    groups = pow2_groups(ClusterSpec.parse("7,8"), 4, [1, 2, 4, 8])
+    assert sorted(size for size, node, _ in groups if node == 0) == [1, 2, 4]
+    assert sorted(size for size, node, _ in groups if node == 1) == [4, 4]
+    assert equal_split(6, 4) == [(0, 3), (3, 5), (5, 6), (6, 8)]  # blocks 2, 2, 1, 1
+
+
+# ---- infeasible input: one sentence naming the binding constraint ---------------------------------
+def test_too_few_gpus_for_the_model_state(p70):
+    with pytest.raises(ElastorError) as e:
+        solver.solve(p70, ClusterSpec.parse("7", p70.device_kind), 64)
+    message = str(e.value)
+    assert (
+        message.startswith("llama2-70b needs at least ")
+        and "H100-80GB GPUs for weights, gradients" in message
+    )
+    assert message.endswith("; 7 are healthy.") and len(message.splitlines()) == 1
+
+
+def test_global_batch_not_a_multiple_of_a_micro_batch_size():
+    profile = synthetic_profile(TINY, micro_batch_sizes=(2,))
+    with pytest.raises(ElastorError, match="not a multiple of any micro-batch size the profile measured"):
+        solver.solve(profile, ClusterSpec.parse("2", "cpu"), 3)
+
+
+def test_global_batch_smaller_than_the_stages_needed():
+    profile = synthetic_profile(TINY, micro_batch_sizes=(1,), tp_degrees=(1,))
+    cluster = ClusterSpec.parse("2", "cpu")
+    stage = CostModel(profile, cluster).stage(0, TINY.num_layers, 1, 1)
+    whole = sum(stage.memory_bytes(1).values())
+    small = ClusterSpec(
+        device=cluster.device.__class__(kind="cpu", memory_bytes=int(whole * 0.7), peak_flops=1e11),
+        nodes=cluster.nodes,
+        links=cluster.links,
+    )
+    with pytest.raises(ElastorError, match="needs at least 2 stages and 1F1B needs a micro-batch per stage"):
+        solver.solve(profile, small, 1)
+
+
+def test_unknown_method():
+    with pytest.raises(ElastorError, match="Unknown method"):
+        solver.solve(synthetic_profile(), ClusterSpec.parse("2", "cpu"), 4, method="megatron")
+
+
+# ---- what-if --------------------------------------------------------------------------------------
+def test_failure_orders_are_nested_and_placed_as_named():
+    cluster = ClusterSpec.parse("4,4,4")
+    worst = failure_order(cluster, "worst")
+    assert [d.split(":")[0] for d in worst[:3]] == ["n0", "n1", "n2"]  # one per node first
+    best = failure_order(cluster, "best")
+    assert {d.split(":")[0] for d in best[:4]} == {"n2"}  # a whole node first
+    shuffled = failure_order(cluster, "random", seed=1)
+    assert sorted(shuffled) == sorted(cluster.devices) and shuffled == failure_order(
+        cluster, "random", seed=1
+    )
+    assert parse_range("0..3") == [0, 1, 2, 3] and parse_range("1,4") == [1, 4]
+    with pytest.raises(ElastorError):
+        parse_range("a..b")

@@ -1,0 +1,78 @@
+"""`elastor plan` and `elastor whatif` end to end on small synthetic and analytic profiles."""
+
+import json
+
+import pandas as pd
+from helpers import run_elastor
+from synthetic import synthetic_profile
+
+from costmodel import PRESETS, ClusterSpec, Plan
+from costmodel.estimate import CostModel
+from costmodel.jsonio import write_json
+from elastor.cli import main
+from profiler.analytic import analytic_profile
+
+
+def tiny_profile(tmp_path) -> str:
+    path = tmp_path / "tiny.json"
+    write_json(path, synthetic_profile().to_json())
+    return str(path)
+
+
+def test_plan_writes_a_valid_plan_and_prints_its_stages(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--profile", tiny_profile(tmp_path), "--cluster", "3,2", "--global-batch-size", "8"]
+    assert main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.from_json(json.loads(out.read_text()))
+    cluster = ClusterSpec.parse("3,2", "cpu")
+    estimate = CostModel(synthetic_profile(), cluster).estimate(plan.validate(cluster))
+    assert plan.predicted["step_time_s"] == estimate.step_time_s
+    assert plan.solver["method"] == "elastor" and plan.solver["status"] == "OPTIMAL"
+    assert plan.summary() in printed and estimate.explain() in printed
+    assert "elastor: OPTIMAL" in printed
+
+
+def test_plan_compare_lists_every_method(tmp_path, capsys):
+    args = ["plan", "--profile", tiny_profile(tmp_path), "--cluster", "2,2,1", "--global-batch-size", "8"]
+    assert main([*args, "--compare", "--out", str(tmp_path / "p.json")]) == 0
+    table = capsys.readouterr().out.split("method ")[-1]
+    for method in ("elastor", "uniform", "node-drop", "pow2-greedy"):
+        assert f"\n{method} " in "\n" + table, method
+
+
+def test_plan_of_a_model_too_large_is_one_sentence_and_exit_2(tmp_path):
+    path = tmp_path / "p70.json"
+    profile = analytic_profile(
+        PRESETS["llama2-70b"],
+        device_kind="H100-80GB",
+        micro_batch_sizes=[1],
+        tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )
+    write_json(path, profile.to_json())
+    result = run_elastor(
+        "plan", "--profile", str(path), "--cluster", "7", "--global-batch-size", "64", "--out", "x.json"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert (
+        "llama2-70b needs at least" in line
+        and "H100-80GB GPUs for weights, gradients and optimizer state; 7 are healthy." in line
+    )
+
+
+def test_whatif_writes_the_csv_and_the_plot(tmp_path, capsys):
+    csv, png = tmp_path / "w.csv", tmp_path / "w.png"
+    args = ["whatif", "--profile", tiny_profile(tmp_path), "--cluster", "2,2", "--global-batch-size", "8"]
+    assert main([*args, "--fail", "0..2", "--csv", str(csv), "--plot", str(png), "--quiet"]) == 0
+    frame = pd.read_csv(csv)
+    assert len(frame) == 3 * 4 and set(frame.method) == {"elastor", "uniform", "node-drop", "pow2-greedy"}
+    assert list(frame[frame.method == "elastor"].healthy_gpus) == [4, 3, 2]
+    elastor = frame[frame.method == "elastor"].set_index("failures").samples_per_s
+    for method in ("uniform", "node-drop", "pow2-greedy"):
+        other = frame[frame.method == method].set_index("failures").samples_per_s
+        assert (other.isna() | (elastor >= other * (1 - 1e-12))).all(), method
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "failures  healthy" in printed and "ideal" in printed
