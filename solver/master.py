@@ -172,7 +172,8 @@ class Master:
         self.capacities = list(capacities)
         self.single_node = single_node
         self.sync = sync
-        self.templates = [t for t in templates if t.num_stages <= self.N]
+        gpus = sum(capacities)
+        self.templates = [t for t in templates if t.num_stages <= self.N and t.num_gpus <= gpus]
         ts = self.templates
         self.A = np.array([t.pipeline_s for t in ts])
         self.M = np.array([t.bottleneck_s for t in ts])

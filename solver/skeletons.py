@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from costmodel.profile import ModelProfile
 from solver.stages import StageTable
-from solver.templates import Template
+from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
 LEFTOVER_RUNS = 4  # runs of a pipeline made of several nodes' leftover GPUs
@@ -256,7 +256,12 @@ def generate_skeletal(
     max_runs: int,
 ) -> list[Template]:
     splitter = Splitter(tables, num_layers)
+    packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
-        out += splitter.templates(tps, runs)
+        sizes = [0] * (runs[-1] + 1)
+        for t, r in zip(tps, runs, strict=True):
+            sizes[r] += t
+        if packer.fits(tuple(sizes)):  # the pipeline fits on the nodes on its own
+            out += splitter.templates(tps, runs)
     return out

@@ -1,0 +1,37 @@
+"""Every notebook in notebooks/ is stored without outputs and runs top to bottom at its small size
+(ELASTOR_NOTEBOOK_QUICK=1). A notebook another test file already executes is left to that file."""
+
+import pytest
+from helpers import REPO
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+HERE = "test_notebooks.py"
+
+
+def covered_elsewhere(notebook) -> bool:
+    return any(
+        notebook.name in path.read_text() for path in (REPO / "tests").glob("test_*.py") if path.name != HERE
+    )
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
+def test_notebook_is_stored_without_outputs(notebook):
+    nbformat = pytest.importorskip("nbformat")
+    code = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+
+
+@pytest.mark.parametrize("notebook", [n for n in NOTEBOOKS if not covered_elsewhere(n)], ids=lambda n: n.stem)
+def test_notebook_executes(notebook, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("ELASTOR_NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(notebook, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}
+    )
+    client.execute()
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the plots are inline
