@@ -85,7 +85,7 @@ def test_world_size_mismatch_is_one_sentence_on_every_rank(tmp_path):
     [
         (("--bf16",), "--bf16 needs CUDA devices"),
         (("--data", "missing.bin"), "The data file missing.bin does not exist."),
-        (("--steps", "-1"), "--steps and --warmup-steps must be non-negative"),
+        (("--steps", "-1"), "--steps, --warmup-steps and --ckpt-every must be non-negative"),
     ],
 )
 def test_user_errors_exit_2_with_one_sentence(tmp_path, extra, sentence):
