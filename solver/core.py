@@ -193,7 +193,7 @@ def search(
     best: tuple[float, int, MasterResult] | None = None
     bounds, proven, num_templates = [], True, 0
     tables_for: dict[int, dict[int, StageTable]] = {}
-    for done, (mbs, inter) in enumerate(jobs):
+    for mbs, inter in jobs:
         if mbs not in tables_for:
             tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
         incumbent = min(upper_bound_s, best[0] if best else math.inf)
@@ -221,7 +221,7 @@ def search(
             global_batch_size // mbs,
             sync(cm, inter),
             single_node=not inter,
-            time_limit_s=left / (len(jobs) - done),
+            time_limit_s=left,
             upper_bound_s=incumbent,
         )
         bounds.append(bound)

@@ -428,6 +428,7 @@ class Master:
         solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
         solver.parameters.num_workers = 1
         solver.parameters.cp_model_presolve = False
+        solver.parameters.linearization_level = 2
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, None, None, None
