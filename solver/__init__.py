@@ -1,10 +1,13 @@
 """Solver: the fastest plan for ANY set of healthy GPUs under the cost model, and the baselines (torch-free).
 
-    solve(profile, cluster, global_batch_size, method="elastor") -> Plan
+    solve(profile, cluster, global_batch_size, method="elastor", micro_batch_sizes=None,
+          time_limit_s=30) -> Plan
 
 The plan's `predicted` block is `CostModel.estimate(plan).to_json()`; its `solver` block records the
-method, the status (OPTIMAL: proven fastest of the search space; FEASIBLE: the best found, with the
-proven relative `gap` to a lower bound), the wall time and what was searched.
+method, the status (OPTIMAL: proven fastest of the space searched; FEASIBLE: the best found, with the
+proven relative `gap` to the best possible in that space), the wall time, how many templates were
+built, and `complete`: whether the space searched is the whole search space (below) or, on large
+instances, a family of it (`family`).
 
 Search space (issue 4): any number of pipelines on disjoint healthy GPUs; per pipeline any number of
 stages with contiguous, uneven layer ranges; per stage any TP degree that divides the heads and kv
@@ -12,24 +15,31 @@ heads, was profiled and fits on one node (not only powers of two), on one node; 
 micro-batches per pipeline, at least its number of stages, summing to the global batch over the
 micro-batch size; any profiled micro-batch size dividing the global batch; GPUs may stay idle.
 
-Objective: the cost model's step time, every device within its usable memory.
+Objective: the cost model's step time (slowest pipeline under 1F1B + gradient sync of the largest
+stage across the pipelines + slowest optimizer step), every device within its usable memory.
 
-Method (exact with respect to the cost model), a decomposition:
-  1. solver.templates: an exact dynamic program over the layer list enumerates every pipeline that
-     could be part of an optimal plan: its stages, their TP degrees, which consecutive stages share a
-     node ("runs"), and the layer split, keeping per footprint (the multiset of run sizes) and stage
-     count only the pipelines whose cost line T(m) = A + (m-1) M is lowest for some micro-batch count
-     m at their largest stage's parameter count (which sets gradient-sync and optimizer time).
-  2. solver.master: a CP-SAT model chooses how many pipelines of each template, their micro-batch
-     counts, and a packing of their runs onto nodes (nodes with equal healthy counts form one class,
-     packed by patterns), minimising the slowest pipeline + gradient sync + optimizer step.
-  3. One such problem per micro-batch size and per link scope (one node with intra-node links, or all
-     nodes with inter-node gradient sync); the cheapest answer wins (solver.core).
-  4. solver.placement turns the answer into device names; the cost model prices the final plan, and
-     its step time equals the master's objective (`tests/test_solver_optimality.py` holds both equal to
-     a brute-force enumeration of the whole search space on hundreds of random small instances).
-Symmetry is used throughout: the dynamic program sees per-run GPU counts, never device names, and the
-master sees node classes, never nodes.
+Method, a decomposition (exact with respect to the cost model):
+  1. Templates: every pipeline that could be part of an optimal plan, with its stages, their TP
+     degrees, which consecutive stages share a node ("runs") and its layer split, reduced to its cost
+     terms A (warm-up and cool-down), M (the slowest stage: T(m) = A + (m-1) M for m micro-batches), W
+     (largest stage's parameters) and O (slowest optimizer step), and its footprint (run sizes).
+     solver.templates builds them by an exact dynamic program over the layer list (small instances:
+     the whole search space); solver.skeletons by a closed-form block split of pipeline skeletons
+     (large models with identical blocks: a family of the search space, reported as such).
+  2. Master (solver.master): for a bound tau on the slowest pipeline every template can take at most
+     k(tau) micro-batches, and a CP-SAT model picks how many pipelines of each template and packs their
+     runs onto node classes by patterns, covering the global batch with the least sync + optimizer;
+     a staircase search over tau (the times pipelines can take) finds the least tau + overhead.
+  3. One master per micro-batch size and link scope (one node with intra-node links, or all nodes
+     with inter-node gradient sync); the cheapest answer wins (solver.core).
+  4. solver.placement turns the answer into device names; the cost model prices the final plan and its
+     step time equals the master's objective. tests/test_solver_optimality.py holds the solver equal to
+     a brute-force enumeration of the whole search space on 200 random small instances.
+Symmetry is used throughout: templates see per-run GPU counts, never device names; the master sees node
+classes, never nodes; nodes with equal healthy counts and GPUs of one node are interchangeable.
+
+Baselines (solver.baselines), each the best plan of its family under the same cost model: uniform,
+node-drop (Elastor's search on the fully healthy nodes) and pow2-greedy.
 """
 
 import dataclasses

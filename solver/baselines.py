@@ -2,8 +2,9 @@
 
 uniform      Megatron-style: one TP x PP x DP grid, every pipeline the same, stages with equal numbers
              of blocks (the embedding joins the first stage, the head the last), every pipeline the
-             same number of micro-batches, TP groups inside nodes, on as many healthy GPUs as the grid
-             needs; the best (TP, PP, DP, micro-batch size) wins.
+             same number of micro-batches, TP groups inside nodes, on the largest subset of the
+             healthy GPUs that admits a grid (TP x PP x DP = its size); among the grids on that many
+             GPUs, the best (TP, PP, DP, micro-batch size) wins.
 pow2-greedy  the Elastor paper's released heuristic: on every node, power-of-two TP groups of at most
              the nominal TP, largest first (7 GPUs at TP 4: 4 + 2 + 1); groups, largest first, each
              go to the pipeline with the fewest GPUs among a fixed number D of pipelines, in that
@@ -91,9 +92,12 @@ def equal_split(num_blocks: int, stages: int) -> list[tuple[int, int]] | None:
 def uniform(
     profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int]
 ) -> tuple[float, Plan] | None:
+    """Among the grids that fit (memory, and a global batch that splits evenly into DP x micro-batch
+    size), those on the most GPUs, and of them the fastest: Megatron-style planners run TP x PP x DP
+    = world size on the largest subset of the healthy GPUs that admits a grid."""
     cm = CostModel(profile, cluster)
     model = profile.model
-    best = None
+    best = None  # (-GPUs used, step time, plan parts): the most GPUs first, then the fastest
     for mbs in sizes:
         N = gbs // mbs
         tables = {t: stage_table(cm, t, mbs) for t in tp_degrees(profile, cluster)}
@@ -112,12 +116,12 @@ def uniform(
                     if not _fits(tables, pipes[0]):
                         break  # more pipelines do not change a stage's memory
                     counts = [N // dp] * dp
-                    cost = _score(cm, tables, pipes, counts)
-                    if best is None or cost < best[0]:
-                        best = (cost, (mbs, pipes, counts))
+                    key = (-tp * pp * dp, _score(cm, tables, pipes, counts))
+                    if best is None or key < best[:2]:
+                        best = (*key, (mbs, pipes, counts))
     if best is None:
         return None
-    cost, (mbs, pipes, counts) = best
+    _, cost, (mbs, pipes, counts) = best
     return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
 
 

@@ -1,5 +1,10 @@
-"""Elastor's method: exact templates (solver.templates) and the CP-SAT master (solver.master), per
-micro-batch size and link scope, keeping the cheapest plan.
+"""Elastor's method: templates (solver.templates, solver.skeletons) and the CP-SAT master
+(solver.master), per micro-batch size and link scope, keeping the cheapest plan.
+
+Which templates: the exact program over the whole search space when the instance is small (at most
+EXACT_GPUS GPUs and EXACT_LAYERS layers); beyond, the skeleton family for models whose blocks are
+identical, else the exact program for pipelines of at most one node's GPUs. The plan's solver block
+says which ("complete", "family").
 
 Link scope: the cost model synchronises gradients over inter-node links whenever the plan spans more
 than one node. The solver therefore solves two problems and keeps the better: plans on one node (the
@@ -37,7 +42,7 @@ class Limits:
     max_gpus: int | None = None  # per pipeline, in the exact program
     max_runs: int | None = None  # node runs per pipeline, in the exact program
     max_stages: int | None = None  # per pipeline, in the exact program
-    skeletal: bool = False  # add solver.skeletons' family (models with identical blocks)
+    skeletal: bool = False  # solver.skeletons' family instead of the exact program
 
     @property
     def complete(self) -> bool:

@@ -144,9 +144,7 @@ class Splitter:
         """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree."""
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
-        for tp in sorted(
-            set(tps), key=lambda t: self.kinds[t, "middle"].time[2] - self.kinds[t, "middle"].time[1]
-        ):
+        for tp in sorted(set(tps), key=lambda t: self.kinds[t, "middle"].time[1]):
             group = [s for s, t in enumerate(tps) if t == tp]
             while left and any(blocks[s] < caps[s] for s in group):
                 s = min(
