@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.cluster import parse_device
 from costmodel.estimate import CostModel, StageCost
@@ -85,11 +87,11 @@ def usable_micro_batch_sizes(
 
 def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
     """Seconds to all-reduce the gradients of a stage holding `params` parameters across P pipelines:
-    the cost model's gradient sync, which the slowest such stage sets (costmodel.estimate)."""
+    the cost model's gradient sync, which the slowest such stage sets (costmodel.estimate).
+    `.many(P, params)` prices an array of parameter counts at once."""
 
-    @functools.cache
-    def cost(num_pipelines: int, params: int) -> float:
-        widest = StageCost(
+    def widest(params) -> StageCost:
+        return StageCost(
             start=0,
             end=0,
             tp=1,
@@ -103,8 +105,16 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
             boundary_bytes=0,
             optimizer_s=0.0,
         )
-        return cm.sync_s(widest, num_pipelines, inter_node)
 
+    @functools.cache
+    def cost(num_pipelines: int, params: int) -> float:
+        return cm.sync_s(widest(params), num_pipelines, inter_node)
+
+    def many(num_pipelines: int, params: np.ndarray) -> np.ndarray:
+        times = cm.sync_s(widest(np.asarray(params, dtype=float)), num_pipelines, inter_node)
+        return np.broadcast_to(np.asarray(times, dtype=float), np.shape(params))
+
+    cost.many = many
     return cost
 
 
@@ -150,6 +160,15 @@ def candidates(
             time_bound_s=incumbent,
         )
     return prune(found)
+
+
+def work_bound(tables: dict[int, StageTable], num_layers: int, num_microbatches: int, gpus: int) -> float:
+    """A lower bound on the step time before any template is built: every micro-batch passes every
+    layer, a layer at TP t keeps t GPUs busy for its time, and the GPUs share that work perfectly."""
+    per_micro_batch = sum(
+        min(t * tab.time_s[i][i + 1] for t, tab in tables.items()) for i in range(num_layers)
+    )
+    return num_microbatches * per_micro_batch / gpus
 
 
 def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
@@ -203,6 +222,10 @@ def search(
             tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
         incumbent = min(upper_bound_s, best[0] if best else math.inf)
         nodes = capacities if inter else [max(capacities)]
+        quick = work_bound(tables_for[mbs], profile.model.num_layers, global_batch_size // mbs, sum(nodes))
+        if quick >= incumbent:  # not even perfect scaling of the work beats the plan in hand
+            bounds.append(quick)
+            continue
         seeded = [
             template_of(p, tables_for[mbs])
             for plan in seeds

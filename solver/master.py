@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from solver.templates import Packer, Template
+from solver.templates import Template, packing_matrix
 
 UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
 
@@ -185,7 +185,7 @@ class Master:
         self.runs = [Counter(t.run_sizes) for t in ts]
         prints = sorted({t.footprint for t in ts})
         self.footprint = np.array([prints.index(t.footprint) for t in ts], dtype=np.int64)
-        self.packs_into = np.array([[Packer(b).fits(a) for b in prints] for a in prints], dtype=bool)
+        self.packs_into = packing_matrix(prints)
         self.W = np.array([t.max_params for t in ts], dtype=np.int64)
         self.O = np.array([t.optimizer_s for t in ts])
         self.sizes = sorted({d for c in self.runs for d in c})
@@ -234,9 +234,7 @@ class Master:
         """
         order = np.argsort([t.max_params for t in self.templates], kind="stable")
         widths = np.array([self.templates[i].max_params for i in order])
-        sync = np.array(
-            [[self.sync(P, int(w)) for w in widths] for P in range(1, self.p_max + 1)]
-        )  # [P - 1, template by width]
+        sync = np.array([self.sync.many(P, widths) for P in range(1, self.p_max + 1)])  # [P - 1, width]
         least = np.full(len(taus), np.inf)
         for lo in range(0, len(taus), 2048):  # chunks keep the [taus x templates] block small
             tau = taus[lo : lo + 2048, None]

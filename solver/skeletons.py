@@ -25,6 +25,7 @@ solver block (`complete: false`).
 """
 
 import bisect
+import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -145,13 +146,20 @@ class Splitter:
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
         for tp in sorted(set(tps), key=lambda t: self.kinds[t, "middle"].time[1]):
-            group = [s for s, t in enumerate(tps) if t == tp]
-            while left and any(blocks[s] < caps[s] for s in group):
-                s = min(
-                    (s for s in group if blocks[s] < caps[s]), key=lambda s: kinds[s].params[blocks[s] + 1]
-                )
+            # Within one TP degree a block costs the same time anywhere: give each next one to the
+            # stage that holds the fewest parameters with it.
+            heap = [
+                (kinds[s].params[blocks[s] + 1], s)
+                for s, t in enumerate(tps)
+                if t == tp and blocks[s] < caps[s]
+            ]
+            heapq.heapify(heap)
+            while left and heap:
+                _, s = heapq.heappop(heap)
                 blocks[s] += 1
                 left -= 1
+                if blocks[s] < caps[s]:
+                    heapq.heappush(heap, (kinds[s].params[blocks[s] + 1], s))
         stages, start = [], 0
         for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
             end = k.end[b] if s == 0 else start + b + (1 if s == len(tps) - 1 else 0)

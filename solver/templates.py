@@ -211,6 +211,16 @@ def generate(
     return prune([t for group in found.values() for t in lower_envelope(group)])
 
 
+def packing_matrix(footprints: list[tuple[int, ...]]) -> np.ndarray:
+    """packs[a, b]: footprint a fits into the runs of footprint b (so a plan can swap b for a)."""
+    out = np.zeros((len(footprints), len(footprints)), dtype=bool)
+    for j, b in enumerate(footprints):
+        into = Packer(b)
+        for i, a in enumerate(footprints):
+            out[i, j] = sum(a) <= sum(b) and into.fits(a)
+    return out
+
+
 def prune(templates: list[Template]) -> list[Template]:
     """Drop a template when another is no worse in A, M, W, O and stage count and packs wherever it does
     (its runs fit into this one's runs): a plan using the first can use the second instead."""
@@ -218,7 +228,7 @@ def prune(templates: list[Template]) -> list[Template]:
         return []
     prints = sorted({t.footprint for t in templates})
     index = {f: i for i, f in enumerate(prints)}
-    packs = np.array([[Packer(b).fits(a) for b in prints] for a in prints])  # packs[a, b]: a fits in b
+    packs = packing_matrix(prints)
     A = np.array([t.pipeline_s for t in templates])
     M = np.array([t.bottleneck_s for t in templates])
     W = np.array([t.max_params for t in templates])
