@@ -21,8 +21,13 @@ each holder reduces its segments with the other pipelines' holders by ring all-r
 holding B bytes of gradients therefore moves 2(P-1)/P * B over its link (P pipelines); stages
 work in parallel, the slowest device sets the time. Links cross nodes whenever the plan does.
 
-Optimizer step: AdamW is memory-bound: per parameter it reads the parameter, gradient and two
-moments and writes three of them (7 fp32 words), plus one read of the gradient for clipping.
+Optimizer step: what the runtime does to a stage's gradients besides the sync (zero them, sum their
+squares for the global norm, clip, AdamW). Measured profiles carry its time per layer shard
+(`LayerCost.optimizer_s`) and a stage's is the sum over its layers: on a CPU it is several times the
+bandwidth bound below, as torch's AdamW runs a handful of kernels per tensor, each with a fixed cost
+(gpt-tiny on one core: 2.3 ms measured against 1.0 ms from bandwidth). Without a measurement, AdamW
+is taken as memory-bound: per parameter it reads the parameter, gradient and two moments and writes
+three of them (7 fp32 words), plus one read of the gradient for clipping.
 
 Peak memory per device: fp32 parameters, gradients and AdamW moments of the shard it holds;
 activations of the micro-batches in flight under 1F1B (stage s of p holds min(p - s, m));
@@ -256,7 +261,11 @@ class CostModel:
         params = sum(
             shard_box(spec, tp, 0).numel for spec in stage_params(model, start, end)
         )  # TP rank 0 holds the largest shard of every uneven split
-        optimizer_s = params * OPTIMIZER_WORDS_PER_PARAM * FP32_BYTES / (self.memory_bandwidth_gbps * 1e9)
+        measured = [c.optimizer_s for c in costs]
+        if all(t is not None for t in measured):
+            optimizer_s = sum(measured)
+        else:
+            optimizer_s = params * OPTIMIZER_WORDS_PER_PARAM * FP32_BYTES / (self.memory_bandwidth_gbps * 1e9)
         return StageCost(
             start=start,
             end=end,

@@ -4,6 +4,8 @@ One row per entry of the layer list. Each row holds its parameter count, the byt
 next stage per sample, and one `LayerCost` per (micro-batch size, tensor-parallel degree) profiled:
 forward and backward time of the per-rank shard and the activation bytes that shard keeps for
 backward per micro-batch. Identical blocks are measured once by the profiler and share the numbers.
+A measured profile also holds the per-step optimizer work on the shard's parameters (`optimizer_s`,
+the same at every micro-batch size); where it is absent the cost model derives it from bandwidth.
 """
 
 from dataclasses import dataclass, field
@@ -30,15 +32,18 @@ class LayerCost:
     bwd_spread_s: float = 0.0
     fwd_flops: float = 0.0  # forward FLOPs of the shard (costmodel.analytic); backward is twice that
     transient_bytes: int = 0  # allocator peak above the kept activations in fwd + bwd (CUDA only)
+    # Measured seconds per step of gradient zeroing, norm, clipping and AdamW on the shard's
+    # parameters; None where not measured (analytic profiles, profiles from before the field).
+    optimizer_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.tp_degree < 1:
             raise ElastorError("A layer cost needs micro_batch_size and tp_degree of at least 1.")
-        if min(self.fwd_s, self.bwd_s, self.activation_bytes) < 0:
+        if min(self.fwd_s, self.bwd_s, self.activation_bytes, self.optimizer_s or 0.0) < 0:
             raise ElastorError("A layer cost has a negative time or byte count.")
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "LayerCost":
@@ -53,6 +58,7 @@ class LayerCost:
             bwd_spread_s=float(data.get("bwd_spread_s", 0.0)),
             fwd_flops=float(data.get("fwd_flops", 0.0)),
             transient_bytes=int(data.get("transient_bytes", 0)),
+            optimizer_s=None if data.get("optimizer_s") is None else float(data["optimizer_s"]),
         )
 
 

@@ -5,7 +5,9 @@ micro-batch size: forward and backward time of TP rank 0's shard (`profiler.laye
 `repeats` runs after `warmup` runs, with the interquartile range as the spread; and the activation
 bytes that shard keeps for backward (`profiler.memory`). Times come from `time.perf_counter` on CPU
 and from CUDA events on a GPU. Parameter gradients accumulate across repeats, as over the
-micro-batches of a training step.
+micro-batches of a training step. Once per shard, the optimizer's share of a step on its parameters:
+what `runtime.trainer` does to a stage's gradients besides the sync (zero them, sum their squares for
+the global norm, scale them by the clip coefficient, AdamW step), timed the same way.
 """
 
 import os
@@ -25,6 +27,8 @@ from costmodel.profile import LayerCost, LayerProfile, ModelProfile
 from profiler import defaults
 from profiler.layers import KINDS, build_shard, example_input
 from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
+from runtime.grad_sync import owned_square_sum
+from runtime.optim import OptimConfig, build_optimizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A CPU run whose thread got less than this fraction of its wall time as CPU time was preempted by
@@ -127,6 +131,47 @@ def _timed_steps(
     return fwd, bwd, discarded
 
 
+def _optimizer_s(shard: torch.nn.Module, device: str, warmup: int, repeats: int) -> tuple[float, int]:
+    """Median seconds of the per-step optimizer work on `shard`'s parameters (the module docstring),
+    and how many disturbed CPU runs were discarded. It runs on fp32 copies, as the runtime keeps fp32
+    master weights in every dtype; AdamW's cost does not depend on the values."""
+    params = {
+        n: torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for n, p in shard.named_parameters()
+    }
+    for p in params.values():
+        p.grad = torch.zeros_like(p)
+    optimizer = build_optimizer(params, OptimConfig())
+    whole = {name: [(-1, 0, 0)] for name in params}  # a single holder owns every element
+    times, discarded = [], 0
+    for attempt in range(warmup + repeats * (1 + MAX_RETRIES_PER_RUN)):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        owned_square_sum(params, whole).item()
+        for p in params.values():
+            p.grad.mul_(0.5)  # the clip, as when the norm exceeds the threshold
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t1, cpu1 = time.perf_counter(), time.thread_time()
+        if attempt < warmup:
+            continue
+        # One thread: CPU time short of wall time means another process took the core (_cpu_step).
+        preempted = (
+            device != "cuda"
+            and torch.get_num_threads() == 1
+            and cpu1 - cpu0 < UNDISTURBED_CPU_FRACTION * (t1 - t0)
+        )
+        if preempted and discarded < repeats * MAX_RETRIES_PER_RUN:
+            discarded += 1
+            continue
+        times.append(t1 - t0)
+        if len(times) == repeats:
+            break
+    return float(np.median(times)), discarded
+
+
 def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[int, int]:
     """(kept, transient) activation bytes of one step; transient is measured on CUDA only."""
     if device != "cuda":
@@ -166,6 +211,8 @@ class _Session:
     ) -> list[LayerCost]:
         """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
         shard = build_shard(self.config, kind, tp_degree, self.device, TORCH_DTYPES[self.dtype])
+        optimizer_s, discarded = _optimizer_s(shard, self.device, self.warmup, self.repeats)
+        self.discarded += discarded
         costs = []
         for mbs in micro_batch_sizes:
             x = example_input(shard, self.config, mbs, self.seq_len, self.generator)
@@ -184,6 +231,7 @@ class _Session:
                     bwd_spread_s=bwd_spread,
                     fwd_flops=analytic.forward_flops(self.config, kind, mbs, self.seq_len, tp_degree),
                     transient_bytes=transient,
+                    optimizer_s=optimizer_s,
                 )
             )
             tick()
@@ -266,6 +314,7 @@ def measure_profile(
             "warmup": warmup,
             "discarded_disturbed_runs": session.discarded,
             "statistic": "median; spread = interquartile range",
+            "optimizer": "zero grads, squared-norm sum, clip multiply, AdamW step on the shard's parameters",
             "shared": "one block measured, shared by every block",
             "hardware": hardware,
             "threads": threads_used,

@@ -1,5 +1,6 @@
 """The cost model against closed forms, hand-computed values and a schedule simulation."""
 
+import dataclasses
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from costmodel.comm import Link, all_gather_s, all_reduce_s
 from costmodel.estimate import (
     FP32_BYTES,
     MEMORY_HEADROOM,
+    OPTIMIZER_WORDS_PER_PARAM,
     CostModel,
     in_flight,
     pipeline_time_s,
@@ -123,6 +125,25 @@ def test_1f1b_formula_tracks_the_simulation_for_balanced_stages(seed):
 def test_in_flight_micro_batches_under_1f1b():
     assert [in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+
+
+def test_the_optimizer_is_bandwidth_bound_unless_the_profile_measured_it():
+    profile = synthetic_profile()
+    cm = CostModel(profile, ClusterSpec.parse("1", "cpu"))
+    stage = cm.stage(1, 4, 1, 2)
+    bound = stage.param_count * OPTIMIZER_WORDS_PER_PARAM * FP32_BYTES / (cm.memory_bandwidth_gbps * 1e9)
+    assert stage.optimizer_s == pytest.approx(bound)
+    # A measured profile carries the time per layer shard; a stage's is the sum over its layers.
+    measured = dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(
+                layer, costs=tuple(dataclasses.replace(c, optimizer_s=(i + 1) * 1e-3) for c in layer.costs)
+            )
+            for i, layer in enumerate(profile.layers)
+        ),
+    )
+    assert CostModel(measured, cm.cluster).stage(1, 4, 1, 2).optimizer_s == pytest.approx((2 + 3 + 4) * 1e-3)
 
 
 # ---- memory -----------------------------------------------------------------------------------------
