@@ -10,16 +10,17 @@ stages' TP degrees are fixed then has a closed form:
     cap_mem(s) blocks, and a bound M on stage time at most cap_time(s, M) (both monotone in b).
     The pipeline fits within M iff sum_s min(cap_mem, cap_time) >= blocks (the first and last stage
     may hold none, the others at least one). The least such M is found by bisection over the stage
-    times; at that M, and at every larger threshold where A can still drop by more than (p - 1)
-    times the rise in M, the blocks go to the stages with the cheapest block first (time is linear
-    in b, so this least-cost filling minimises A), evenly within a TP degree (to keep W small).
+    times; at that M, and at up to MAX_EXTRA_THRESHOLDS larger thresholds while A can still drop by
+    more than (p - 1) times the rise in M, the blocks go to the stages with the cheapest block first
+    (time is linear in b, so this least-cost filling minimises A), and within a TP degree to the
+    stage holding the fewest parameters (to keep W small).
 
-Skeletons (the family searched): a pipeline is a sequence of node runs, each a node class and a
-composition of its GPUs into TP degrees (non-increasing, e.g. 4+2+1 on a 7-GPU node); at most two
-kinds of runs per pipeline, each repeated, in either order; a run uses the whole node (its last
-stage takes the idle GPUs only if no TP degree fits them) unless the pipeline fits on one node;
-and pipelines of up to four partial runs holding one node's worth of GPUs in all (several nodes'
-leftovers joined), larger runs first.
+Skeletons (the family searched): a pipeline is a sequence of node runs, each a composition of a
+node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
+pipeline inside a node, sharing it with others), or whole-node runs of one or two kinds, each kind
+repeated, in either order, up to the runs of twice the smallest pipeline that fits (only GPUs no TP
+degree fits stay idle), or up to LEFTOVER_RUNS partial runs holding one node's worth of GPUs in all
+(leftovers of several nodes joined into one pipeline), larger runs first.
 `solver.core` uses this family when the exact program would be too large and says so in the plan's
 solver block (`complete: false`).
 """

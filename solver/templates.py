@@ -41,7 +41,6 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from itertools import pairwise
 
 import numpy as np
@@ -93,15 +92,14 @@ class Packer:
 
     def __init__(self, capacities: Sequence[int]):
         self.capacities = tuple(sorted(capacities, reverse=True))
+        self._known: dict[tuple[int, ...], bool] = {}
 
-    def fits(self, runs: tuple[int, ...]) -> bool:
-        return self._fits(tuple(sorted(runs, reverse=True)))
-
-    @cache  # noqa: B019 - one Packer per solve; the cache is the point
-    def _fits(self, runs: tuple[int, ...]) -> bool:
-        if sum(runs) > sum(self.capacities) or (runs and runs[0] > self.capacities[0]):
-            return False
-        return _pack(runs, self.capacities)
+    def fits(self, runs: Sequence[int]) -> bool:
+        key = tuple(sorted(runs, reverse=True))
+        if key not in self._known:
+            too_big = sum(key) > sum(self.capacities) or (key and key[0] > self.capacities[0])
+            self._known[key] = not too_big and _pack(key, self.capacities)
+        return self._known[key]
 
 
 def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
