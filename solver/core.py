@@ -163,12 +163,18 @@ def candidates(
 
 
 def work_bound(tables: dict[int, StageTable], num_layers: int, num_microbatches: int, gpus: int) -> float:
-    """A lower bound on the step time before any template is built: every micro-batch passes every
-    layer, a layer at TP t keeps t GPUs busy for its time, and the GPUs share that work perfectly."""
-    per_micro_batch = sum(
-        min(t * tab.time_s[i][i + 1] for t, tab in tables.items()) for i in range(num_layers)
-    )
-    return num_microbatches * per_micro_batch / gpus
+    """A lower bound on the step time before any template is built.
+
+    A pipeline of G GPUs takes A + (m - 1) M with A >= lat (one micro-batch through every layer at
+    its fastest TP degree) and G M >= E (a micro-batch's GPU-seconds, each layer at its cheapest
+    degree). So tau * sum G >= sum_pipelines G T >= lat sum G + (N - P) E, and with P <= the pipelines
+    that fit (each needs the fewest GPUs any pipeline needs): tau >= lat + (N - P_max) E / GPUs.
+    """
+    layers = range(num_layers)
+    lat = sum(min(tab.time_s[i][i + 1] for tab in tables.values()) for i in layers)
+    work = sum(min(t * tab.time_s[i][i + 1] for t, tab in tables.items()) for i in layers)
+    most = min(num_microbatches, gpus // max(1, fewest_gpus(tables, num_layers, gpus)))
+    return lat + max(0, num_microbatches - most) * work / gpus
 
 
 def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:

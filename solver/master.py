@@ -216,12 +216,17 @@ class Master:
         return np.where(k >= self.p, k, 0)
 
     def candidates(self, upper_s: float) -> np.ndarray:
-        """Every pipeline time T_t(m) <= upper_s, sorted (computed as Template.time_s does)."""
+        """Every pipeline time T_t(m) in [lowest, upper_s], sorted (computed as Template.time_s does).
+
+        No plan's slowest pipeline is faster than `lowest`: a pipeline of G GPUs and bottleneck M
+        takes at least m M for its m micro-batches, so all of them at least N min_t (M_t G_t) / GPUs.
+        """
+        lowest = self.N * min(t.bottleneck_s * t.num_gpus for t in self.templates) / sum(self.capacities)
         values = []
         for t in self.templates:
             m = np.arange(t.num_stages, self.N + 1)
             times = t.pipeline_s + (m - 1) * t.bottleneck_s
-            values.append(times[times <= upper_s])
+            values.append(times[(times <= upper_s) & (times >= lowest)])
         return np.unique(np.concatenate(values)) if values else np.array([])
 
     def least_overhead(self, taus: np.ndarray) -> np.ndarray:

@@ -18,8 +18,9 @@ stages' TP degrees are fixed then has a closed form:
 Skeletons (the family searched): a pipeline is a sequence of node runs, each a composition of a
 node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
 pipeline inside a node, sharing it with others), or whole-node runs of one or two kinds, each kind
-repeated, in either order, up to the runs of twice the smallest pipeline that fits (only GPUs no TP
-degree fits stay idle), or up to LEFTOVER_RUNS partial runs holding one node's worth of GPUs in all
+repeated, in either order, up to the runs of twice the smallest pipeline that fits (a whole-node run
+has TP groups no smaller than some degree, as many as fit: 4+2+1 or 4+2 on 7 GPUs), or up to
+LEFTOVER_RUNS partial runs holding one node's worth of GPUs in all
 (leftovers of several nodes joined into one pipeline), larger runs first.
 `solver.core` uses this family when the exact program would be too large and says so in the plan's
 solver block (`complete: false`).
@@ -243,7 +244,17 @@ def skeletons(
 
     yield from joined([], 0, max(classes))
     # Across nodes: whole-node runs of one or two kinds, each kind repeated.
-    kinds = list(dict.fromkeys(rho for c in classes for rho in compositions(c, [t for t in tps if t <= c])))
+    # A node's run: its GPUs in TP groups no smaller than some degree, as many as fit (a 7-GPU node:
+    # 4+2+1, or 4+2 leaving one idle when TP 1 stages do not pay).
+    kinds = list(
+        dict.fromkeys(
+            rho
+            for c in classes
+            for least in tps
+            if least <= c
+            for rho in compositions(c, [t for t in tps if least <= t <= c])
+        )
+    )
     for first in kinds:
         for count in range(2, max_runs + 1):
             yield from once([first] * count)
