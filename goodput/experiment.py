@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from costmodel import ClusterSpec, ModelProfile
+from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.jsonio import read_json
 from goodput.costs import RecoveryCosts
 from goodput.failures import FailureModel
 from goodput.plans import CachedOracle, SolverOracle, signature
 from goodput.plots import intervals_figure, rates_figure, timeline_figure
 from goodput.sim import RunResult
+from goodput.slices import SlicedOracle
 from goodput.study import Study, best_intervals, summarize
 
 DAY_S = 86400.0
@@ -33,10 +34,26 @@ def build_study(
     days: float,
     costs_file: str | None = None,
     progress: bool = False,
+    plan_cache: str | None = None,
+    solver_time_limit_s: float | None = None,
+    slices: int = 1,
 ) -> Study:
-    """A study on the real solver; costs: the defaults for the model and its healthy plan, then the file."""
-    oracle = CachedOracle(SolverOracle(profile, cluster, global_batch_size))
+    """A study on the real solver; costs: the defaults for the model and its healthy plan, then the file.
+
+    `plan_cache` names a JSON file that keeps solved plans between runs (see `CachedOracle`);
+    `slices` > 1 plans the cluster as that many slices (an approximation, see `goodput.slices`).
+    """
     gpus_per_node = [len(n.gpus) for n in cluster.nodes]
+    if slices > 1 and (len(set(gpus_per_node)) != 1 or global_batch_size % slices):
+        raise ElastorError(
+            f"--slices {slices} needs nodes with equal GPU counts and a global batch it divides."
+        )
+    planner = SolverOracle(profile, cluster, global_batch_size // slices, time_limit_s=solver_time_limit_s)
+    solver_cache = CachedOracle(planner, path=plan_cache, context=planner.fingerprint())
+    oracle = solver_cache
+    if slices > 1:
+        sliced = SlicedOracle(solver_cache, len(gpus_per_node), gpus_per_node[0], slices)
+        oracle = CachedOracle(sliced)
     healthy = oracle(signature(gpus_per_node))
     num_pipelines = healthy.num_pipelines if healthy else 1
     costs = RecoveryCosts.defaults_for(profile.model, sum(gpus_per_node), num_pipelines)
@@ -50,6 +67,7 @@ def build_study(
         costs=costs,
         horizon_s=days * DAY_S,
         progress=progress,
+        solver_cache=solver_cache,
     )
 
 

@@ -11,15 +11,21 @@ the physical nodes in signature order (most healthy GPUs first, ties by node ind
 uses u GPUs of a node runs on that node's first u healthy GPUs.
 """
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import solver
 from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.cluster import parse_device
+from costmodel.jsonio import read_json, write_json
 
 Signature = tuple[tuple[int, int], ...]
 
@@ -29,6 +35,29 @@ class PlanPoint:
     samples_per_s: float
     num_pipelines: int
     used_per_node: tuple[int, ...] | None = None  # GPUs used per node in signature order; None: all
+    status: str = ""  # the solver's: OPTIMAL, or FEASIBLE with a proven relative gap
+    gap: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        used = self.used_per_node
+        return {
+            "samples_per_s": self.samples_per_s,
+            "num_pipelines": self.num_pipelines,
+            "used_per_node": None if used is None else [[u, len(list(g))] for u, g in groupby(used)],
+            "status": self.status,
+            "gap": self.gap,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PlanPoint":
+        runs = data["used_per_node"]
+        return cls(
+            samples_per_s=float(data["samples_per_s"]),
+            num_pipelines=int(data["num_pipelines"]),
+            used_per_node=None if runs is None else tuple(u for u, reps in runs for _ in range(reps)),
+            status=data.get("status", ""),
+            gap=float(data.get("gap", 0.0)),
+        )
 
 
 Oracle = Callable[[Signature], PlanPoint | None]
@@ -69,37 +98,86 @@ def place(point: PlanPoint, nodes: np.ndarray, healthy: np.ndarray) -> np.ndarra
 
 
 class CachedOracle:
-    """Memoises an oracle per signature and keeps count of what the simulation asked."""
+    """Memoises an oracle per signature and keeps count of what the simulation asked.
 
-    def __init__(self, oracle: Oracle):
+    With `path`, solved plans persist in a JSON file under `context` (a fingerprint of everything
+    the answers depend on besides the signature: profile, device, links, batch, method, time limit),
+    so a later run with the same inputs solves nothing it has solved before. The fingerprint does
+    not cover the solver's code: delete the file after the solver changes.
+    """
+
+    def __init__(self, oracle: Oracle, path: str | None = None, context: str = ""):
         self._oracle = oracle
         self._cache: dict[Signature, PlanPoint | None] = {}
+        self.path, self.context = path, context
         self.calls = 0
         self.solve_wall_s = 0.0
+        self.solved = 0  # by the oracle in this process, not read from the file
+        self._file: dict[str, Any] = {"schema_version": 1, "plans": {}}
+        if path and Path(path).exists():
+            self._file = read_json(path, "plan cache")
+            for key, point in self._file["plans"].get(context, {}).items():
+                self._cache[_parse_key(key)] = None if point is None else PlanPoint.from_json(point)
 
     def __call__(self, sig: Signature) -> PlanPoint | None:
         self.calls += 1
         if sig not in self._cache:
             start = time.perf_counter()
-            self._cache[sig] = self._oracle(sig)
+            point = self._oracle(sig)
             self.solve_wall_s += time.perf_counter() - start
+            self.solved += 1
+            self._cache[sig] = point
+            if self.path:
+                entries = self._file["plans"].setdefault(self.context, {})
+                entries[_key(sig)] = None if point is None else point.to_json()
+                write_json(self.path, self._file)
         return self._cache[sig]
 
     @property
     def solves(self) -> int:
         return len(self._cache)
 
+    def points(self) -> dict[Signature, PlanPoint | None]:
+        return dict(self._cache)
+
+
+def _key(sig: Signature) -> str:
+    return ",".join(f"{count}x{reps}" for count, reps in sig)
+
+
+def _parse_key(key: str) -> Signature:
+    return tuple((int(c), int(r)) for c, r in (part.split("x") for part in key.split(","))) if key else ()
+
 
 class SolverOracle:
     """The real planner: `solver.solve` on a cluster built from the signature (kind and links kept)."""
 
     def __init__(
-        self, profile: ModelProfile, cluster: ClusterSpec, global_batch_size: int, method: str = "elastor"
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        global_batch_size: int,
+        method: str = "elastor",
+        time_limit_s: float | None = None,
     ):
         self.profile = profile
         self.template = cluster
         self.global_batch_size = global_batch_size
         self.method = method
+        self.time_limit_s = time_limit_s
+
+    def fingerprint(self) -> str:
+        """What the answers depend on besides the signature, hashed (the plan cache's context)."""
+        inputs = {
+            # the profile's costs; not its `method` block, which records how long profiling took
+            "profile": {k: v for k, v in self.profile.to_json().items() if k != "method"},
+            "device": self.template.to_json()["device"],
+            "links": self.template.to_json()["links"],
+            "global_batch_size": self.global_batch_size,
+            "method": self.method,
+            "time_limit_s": self.time_limit_s,
+        }
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
     def cluster_for(self, sig: Signature) -> ClusterSpec:
         counts = expand(sig)
@@ -109,9 +187,10 @@ class SolverOracle:
     def __call__(self, sig: Signature) -> PlanPoint | None:
         if not sig:
             return None
+        limit = {} if self.time_limit_s is None else {"time_limit_s": self.time_limit_s}
         try:
             plan = solver.solve(
-                self.profile, self.cluster_for(sig), self.global_batch_size, method=self.method
+                self.profile, self.cluster_for(sig), self.global_batch_size, method=self.method, **limit
             )
         except ElastorError:
             return None
@@ -119,8 +198,11 @@ class SolverOracle:
         for device in plan.devices:
             node, _ = parse_device(device)
             used[int(node[1:])] += 1
+        info = plan.solver or {}
         return PlanPoint(
             samples_per_s=float(plan.predicted["samples_per_s"]),
             num_pipelines=len(plan.pipelines),
             used_per_node=tuple(used),
+            status=str(info.get("status", "")),
+            gap=float(info.get("gap", 0.0)),
         )

@@ -66,10 +66,13 @@ class Study:
     costs: RecoveryCosts
     horizon_s: float
     progress: bool = False
+    solver_cache: CachedOracle | None = None  # the cache in front of the solver itself, for reports
 
     def __post_init__(self) -> None:
         if not isinstance(self.oracle, CachedOracle):
             self.oracle = CachedOracle(self.oracle)
+        if self.solver_cache is None:
+            self.solver_cache = self.oracle
         reference = Elastor(Hardware(self.gpus_per_node), self.oracle).choose()
         if reference is None:
             raise ElastorError("No plan fits the whole healthy cluster, so there is nothing to simulate.")

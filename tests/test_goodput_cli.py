@@ -20,6 +20,7 @@ def fake_solve(profile, cluster, global_batch_size, method="elastor"):
         devices=cluster.devices,
         pipelines=[None],
         predicted={"samples_per_s": 10.0 * cluster.world_size},
+        solver={"status": "OPTIMAL", "gap": 0.0},
     )
 
 
@@ -54,6 +55,24 @@ def test_simulate_prints_the_table_and_writes_csv_and_plots(monkeypatch, tmp_pat
         assert (out / name).read_bytes()[:4] == b"\x89PNG", name
 
 
+def test_the_plan_cache_spares_a_second_run_every_solve(monkeypatch, tmp_path, profile_path, capsys):
+    calls = []
+    monkeypatch.setattr(
+        solver, "solve", lambda *a, **k: calls.append(a) or fake_solve(*a, **k), raising=False
+    )
+    cache = tmp_path / "plans.json"
+    args = ["simulate", "--profile", profile_path, "--cluster", "4x8", "--global-batch-size", "8", "--quiet"]
+    args += ["--days", "2", "--runs", "2", "--rate-factors", "300", "--plan-cache", str(cache)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    solved = len(calls)
+    assert solved > 1 and f"{solved} solved now" in first
+    assert main(args) == 0
+    assert len(calls) == solved and "0 solved now" in capsys.readouterr().out
+    assert main([*args, "--global-batch-size", "16"]) == 0  # other inputs: other plans
+    assert len(calls) > solved
+
+
 @pytest.mark.parametrize(
     ("flags", "sentence"),
     [
@@ -85,4 +104,21 @@ def test_goodput_never_imports_torch():
 def test_simulate_on_the_real_solver(profile_path, capsys):
     args = ["simulate", "--profile", profile_path, "--cluster", "2x4", "--global-batch-size", "8"]
     assert main([*args, "--days", "2", "--runs", "2", "--rate-factors", "1000", "--quiet"]) == 0
-    assert "plans solved" in capsys.readouterr().out
+    assert "solved now" in capsys.readouterr().out
+
+
+def test_slices_plan_each_slice_for_its_share_of_the_batch(monkeypatch, profile_path, capsys):
+    batches = []
+
+    def solve(profile, cluster, global_batch_size, **kwargs):
+        batches.append(global_batch_size)
+        return fake_solve(profile, cluster, global_batch_size, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", solve, raising=False)
+    args = ["simulate", "--profile", profile_path, "--cluster", "4x8", "--global-batch-size", "8", "--quiet"]
+    assert main([*args, "--days", "1", "--runs", "1", "--slices", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "failure-free: 320.0 samples/s (2 pipelines, planned as 2 slices)" in printed
+    assert set(batches) == {4}
+    assert main([*args, "--slices", "3"]) == 2
+    assert "needs nodes with equal GPU counts and a global batch it divides" in capsys.readouterr().err

@@ -172,3 +172,28 @@ def test_costs_from_a_file_and_defaults_for_a_model():
     assert (measured.restart_s, measured.load_s, measured.reshard_load_s) == (45, 8, pytest.approx(9.6))
     with pytest.raises(ElastorError, match="unknown field"):
         costs.updated({"restart": 45}, "m.json")
+
+
+def test_slices_add_up_and_keep_the_damage_in_one_slice():
+    from goodput.slices import SlicedOracle
+
+    asked = []
+
+    def slice_oracle(sig):  # 10 samples/s per GPU, every GPU used but the last node's first one
+        asked.append(sig)
+        counts = expand(sig)
+        return PlanPoint(10.0 * sum(counts), 1, (*counts[:-1], counts[-1] - 1))
+
+    sliced = SlicedOracle(slice_oracle, num_nodes=8, gpus_per_node=8, slices=2)
+    healthy = sliced(((8, 8),))
+    assert healthy.samples_per_s == 640 and healthy.num_pipelines == 2 and healthy.status == "SLICED"
+    # One node at 7 GPUs and one dead: both in the first slice, which keeps two full nodes.
+    damaged = sliced(((8, 6), (7, 1)))
+    assert sliced.slice_signatures(((8, 6), (7, 1))) == [((8, 2), (7, 1)), ((8, 4),)]
+    assert damaged.samples_per_s == 10 * (23 + 32)
+    # Usage in the whole signature's order: six 8-GPU nodes, then the 7-GPU node (the first slice's
+    # last node, which its plan uses one GPU less of).
+    assert damaged.used_per_node == (8, 8, 8, 8, 8, 7, 6)
+    assert set(asked) == {((8, 4),), ((8, 2), (7, 1))}
+    with pytest.raises(ElastorError, match="does not divide"):
+        SlicedOracle(slice_oracle, num_nodes=8, gpus_per_node=8, slices=3)

@@ -67,6 +67,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--node-repair-h", type=float, help="mean node repair time, hours (default 12)")
     p.add_argument("--repair-sigma", type=float, help="lognormal shape of repair times (default 1; 0: fixed)")
     p.add_argument("--costs", help="measured recovery and checkpoint costs, JSON (fields of RecoveryCosts)")
+    p.add_argument(
+        "--plan-cache",
+        help="JSON file keeping the solver's plans between runs (created if absent; delete it when the "
+        "solver changes)",
+    )
+    p.add_argument("--solver-time-limit", type=float, help="seconds per solver call (default: the solver's)")
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="plan the cluster as this many equal slices, each with its share of the batch, and add "
+        "their throughputs: an approximation for clusters too large to solve whole (default: %(default)s)",
+    )
     p.add_argument("--out-dir", help="write CSV files and plots here")
     p.add_argument(
         "--timeline-days",
@@ -142,7 +155,16 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
     failures = failure_model(args)
     study = build_study(
-        profile, cluster, args.global_batch_size, failures, args.days, args.costs, progress=not args.quiet
+        profile,
+        cluster,
+        args.global_batch_size,
+        failures,
+        args.days,
+        args.costs,
+        progress=not args.quiet,
+        plan_cache=args.plan_cache,
+        solver_time_limit_s=args.solver_time_limit,
+        slices=args.slices,
     )
     young, daly = study.young_daly()
     sweep = None
@@ -165,11 +187,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     c = study.costs
+    sliced = f", planned as {args.slices} slices" if args.slices > 1 else ""
     print(
         f"{profile.model.name} on {study.num_gpus:,} {cluster.device.kind} GPUs ({nodes:,} nodes), "
         f"global batch {args.global_batch_size}, {args.days:g} days x {args.runs} runs\n"
         f"failure-free: {study.reference.samples_per_s:,.1f} samples/s "
-        f"({study.reference.num_pipelines} pipelines); failures: {failures.source} "
+        f"({study.reference.num_pipelines} pipelines{sliced}); failures: {failures.source} "
         f"({failures.distribution}), MTBF {study.mtbf_s() / 3600:.2f} h\n"
         f"costs ({c.source}): detect {c.detect_s:g} s, plan {c.plan_s:g} s, restart {c.restart_s:g} s, "
         f"load {c.load_s:.1f} s (reshard {c.reshard_load_s:.1f} s), checkpoint stall {c.ckpt_stall_s:.2f} s "
@@ -195,10 +218,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out_dir:
         for path in write_outputs(outcome, study, args.out_dir, args.timeline_days):
             print(f"wrote {path}")
-    oracle = study.oracle
+    oracle = study.solver_cache
+    points = [p for p in oracle.points().values() if p is not None]
+    feasible = [p.gap for p in points if p.status == "FEASIBLE"]
+    proven = f"{len(points) - len(feasible)} proven optimal" + (
+        f", {len(feasible)} FEASIBLE (gap up to {100 * max(feasible):.1f}%)" if feasible else ""
+    )
     phases = ", ".join(f"{name} {s:.1f} s" for name, s in outcome.wall_s.items())
     print(
-        f"\n{oracle.solves} plans solved in {oracle.solve_wall_s:.1f} s for {oracle.calls} look-ups; "
-        f"{phases}; total {time.perf_counter() - started:.1f} s"
+        f"\n{oracle.solves} plans ({proven}): {oracle.solved} solved now in {oracle.solve_wall_s:.1f} s, "
+        f"{oracle.solves - oracle.solved} from the plan cache; {study.oracle.calls} look-ups; {phases}; "
+        f"total {time.perf_counter() - started:.1f} s"
     )
     return 0
