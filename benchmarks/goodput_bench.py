@@ -1,13 +1,20 @@
 """Goodput per recovery policy for llama3-70b on 2,048 and 16,384 H100 GPUs, and what it costs to find out.
 
     python benchmarks/goodput_bench.py                  # the README table: 30 days x 5 runs per size
-    python benchmarks/goodput_bench.py --days 7 --runs 2 --nodes 32   # a smoke run
+    python benchmarks/goodput_bench.py --days 7 --runs 2 --sizes 2048   # a smoke run
 
-For each cluster size it runs, as a user would, in a fresh interpreter:
+For each size it runs, as a user would, in a fresh interpreter:
     elastor profile --model llama3-70b --analytic --device-kind H100-80GB --seq-len 4096 --out P
-    elastor simulate --profile P --cluster {nodes}x8 --global-batch-size 4096 --days D --runs R
-and records the wall time of `elastor simulate` (solver calls included), the goodput of every policy
-with its 95% CI and the lost work by cause. Prints a table and writes benchmarks/results/goodput.json.
+    elastor simulate --profile P --cluster {nodes}x8 --global-batch-size B --days D --runs R \
+        [--slices 8] --plan-cache benchmarks/results/goodput-plans.json
+with 2M tokens per step per 2,048 GPUs (B = 512 and 4,096 sequences of 4,096 tokens; Llama 3 405B
+trained with 16M-token batches on 16,384 GPUs). 16,384 GPUs are planned as 8 slices of 2,048
+(`goodput/slices.py`): one whole-cluster plan takes the solver tens of minutes at that size, so the
+slices are the 2,048-GPU problems themselves and share their plans through the plan cache.
+
+It records the wall time of each `elastor simulate` (solver calls included; a second pass finds every
+plan in the cache and times the simulation alone), the goodput of every policy with its 95% CI and
+the lost work by cause. Prints a table and writes benchmarks/results/goodput.json.
 """
 
 import argparse
@@ -27,7 +34,8 @@ sys.path.insert(0, str(REPO))
 from costmodel.table import format_table  # noqa: E402
 
 PROFILE_ARGS = ["--model", "llama3-70b", "--analytic", "--device-kind", "H100-80GB", "--seq-len", "4096"]
-GLOBAL_BATCH = 4096  # sequences of 4,096 tokens: 16M tokens per step
+SEQUENCES_PER_2048_GPUS = 512  # of 4,096 tokens: 2M tokens per step per 2,048 GPUs
+SLICE_GPUS = 2048  # larger clusters are planned as slices of this size
 
 
 def elastor(*args: str) -> subprocess.CompletedProcess:
@@ -38,38 +46,47 @@ def elastor(*args: str) -> subprocess.CompletedProcess:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", default="256,2048", help="8-GPU nodes per size (default: %(default)s)")
+    parser.add_argument("--sizes", default="2048,16384", help="GPUs, 8 per node (default: %(default)s)")
     parser.add_argument("--days", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--plan-cache", default=str(REPO / "benchmarks" / "results" / "goodput-plans.json"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "goodput.json"))
     args = parser.parse_args()
 
     results = {"cpus": os.cpu_count(), "days": args.days, "runs": args.runs, "sizes": []}
-    rows = [("GPUs", "policy", "goodput %", "recompute %", "restart %", "wait %", "degraded %", "simulate s")]
+    rows = [("GPUs", "policy", "goodput %", "recompute %", "restart %", "wait %", "degraded %", "warm s")]
     with tempfile.TemporaryDirectory() as tmp:
         profile = str(Path(tmp) / "llama3-70b-h100.json")
         done = elastor("profile", *PROFILE_ARGS, "--out", profile)
         if done.returncode:
             sys.exit(done.stderr)
-        for nodes in (int(n) for n in args.nodes.split(",")):
-            out_dir = Path(tmp) / f"sim-{nodes}"
+        for gpus in (int(n) for n in args.sizes.split(",")):
+            nodes, out_dir = gpus // 8, Path(tmp) / f"sim-{gpus}"
             command = [
                 "simulate", "--profile", profile, "--cluster", f"{nodes}x8",
-                "--global-batch-size", str(GLOBAL_BATCH), "--days", f"{args.days:g}",
-                "--runs", str(args.runs), "--out-dir", str(out_dir), "--quiet",
+                "--global-batch-size", str(SEQUENCES_PER_2048_GPUS * gpus // 2048),
+                "--days", f"{args.days:g}", "--runs", str(args.runs),
+                *(["--slices", str(gpus // SLICE_GPUS)] if gpus > SLICE_GPUS else []),
+                "--plan-cache", args.plan_cache, "--out-dir", str(out_dir), "--quiet",
             ]  # fmt: skip
-            started = time.perf_counter()
-            done = elastor(*command)
-            wall_s = time.perf_counter() - started
-            if done.returncode:
-                sys.exit(done.stderr)
+            walls = []
+            for _ in range(2):  # cold (solving what the cache lacks), then warm (the simulation alone)
+                started = time.perf_counter()
+                done = elastor(*command)
+                walls.append(time.perf_counter() - started)
+                if done.returncode:
+                    sys.exit(done.stderr)
+            wall_s = walls[-1]
             print(done.stdout)
             summary = pd.read_csv(out_dir / "summary.csv")
+            names = {profile: "p70.json", args.plan_cache: os.path.relpath(args.plan_cache, REPO)}
+            shown = [names.get(a, a) for a in command[:-3]]
             results["sizes"].append(
                 {
-                    "gpus": nodes * 8,
-                    "command": "elastor " + " ".join(command[:-3]).replace(profile, "P.json"),
-                    "simulate_wall_s": round(wall_s, 2),
+                    "gpus": gpus,
+                    "command": "elastor " + " ".join(shown),
+                    "simulate_cold_s": round(walls[0], 2),
+                    "simulate_warm_s": round(walls[1], 2),
                     "stdout": done.stdout,
                     "summary": summary.to_dict(orient="records"),
                 }
@@ -77,7 +94,7 @@ def main() -> None:
             for _, s in summary.iterrows():
                 rows.append(
                     (
-                        f"{nodes * 8:,}",
+                        f"{gpus:,}",
                         s["policy"],
                         f"{100 * s['goodput_fraction']:.2f} ± {100 * s['goodput_fraction_ci']:.2f}",
                         f"{100 * s['lost_recompute']:.2f}",
