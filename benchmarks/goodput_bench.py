@@ -4,11 +4,13 @@
     python benchmarks/goodput_bench.py --days 7 --runs 2 --sizes 2048   # a smoke run
 
 For each size it runs, as a user would, in a fresh interpreter:
-    elastor profile --model llama3-70b --analytic --device-kind H100-80GB --seq-len 4096 --out P
+    elastor profile --model llama3-70b --analytic --device-kind H100-80GB --seq-len 4096 \
+        --micro-batch-size 1 --out P
     elastor simulate --profile P --cluster {nodes}x8 --global-batch-size B --days D --runs R \
         [--slices 8] --plan-cache benchmarks/results/goodput-plans.json
 with 2M tokens per step per 2,048 GPUs (B = 512 and 4,096 sequences of 4,096 tokens; Llama 3 405B
-trained with 16M-token batches on 16,384 GPUs). 16,384 GPUs are planned as 8 slices of 2,048
+trained with 16M-token batches on 16,384 GPUs) in micro-batches of one sequence (more micro-batch
+sizes multiply the solver's work). 16,384 GPUs are planned as 8 slices of 2,048
 (`goodput/slices.py`): one whole-cluster plan takes the solver tens of minutes at that size, so the
 slices are the 2,048-GPU problems themselves and share their plans through the plan cache.
 
@@ -33,7 +35,10 @@ sys.path.insert(0, str(REPO))
 
 from costmodel.table import format_table  # noqa: E402
 
-PROFILE_ARGS = ["--model", "llama3-70b", "--analytic", "--device-kind", "H100-80GB", "--seq-len", "4096"]
+PROFILE_ARGS = [
+    "--model", "llama3-70b", "--analytic", "--device-kind", "H100-80GB", "--seq-len", "4096",
+    "--micro-batch-size", "1",
+]  # fmt: skip
 SEQUENCES_PER_2048_GPUS = 512  # of 4,096 tokens: 2M tokens per step per 2,048 GPUs
 SLICE_GPUS = 2048  # larger clusters are planned as slices of this size
 
