@@ -114,17 +114,21 @@ def solve(
 
 def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
-    solved again with the faster baselines' pipelines among its templates."""
+    solved again with the faster baselines' pipelines among its templates. The node-drop baseline is
+    one of them: a family of the search space is not closed under adding GPUs (on 255 full nodes and
+    one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must never
+    lose to dropping the partial nodes."""
     started = time.perf_counter()
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     outcome = search(profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits)
     if (limits or plan_limits(profile, capacities)).complete:
         return outcome
-    seeds = [
-        found
-        for family in (baselines.uniform, baselines.pow2_greedy)
-        if (found := family(profile, cluster, gbs, sizes)) and found[0] < outcome.objective_s * (1 - 1e-12)
-    ]
+    found = [family(profile, cluster, gbs, sizes) for family in (baselines.uniform, baselines.pow2_greedy)]
+    whole = fully_healthy(cluster)
+    if whole is not None and len(whole.nodes) < len(capacities):
+        dropped = _elastor(profile, whole, gbs, sizes, time_limit_s, limits)
+        found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
+    seeds = [f for f in found if f and f[0] < outcome.objective_s * (1 - 1e-12)]
     if not seeds:
         return outcome
     left = time_limit_s - (time.perf_counter() - started)
