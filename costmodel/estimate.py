@@ -61,6 +61,10 @@ DEFAULT_MEMORY_BANDWIDTH_GBPS = 20.0
 # pass and the two inputs' gradients in the backward pass; the vocabulary-parallel embedding
 # reduces its output; the vocabulary-parallel head reduces its input's gradient.
 TP_ALL_REDUCES = {"embed": (1, 0), "block": (2, 2), "head": (0, 1)}
+# The vocabulary-parallel cross-entropy (runtime.tensor_parallel) also all-reduces, in the forward
+# pass, each token's largest logit, then its sum of exponentials with its target's logit: fp32, 4 and
+# 8 bytes per token. Small, but on a CPU each collective costs milliseconds whatever its size.
+CROSS_ENTROPY_ALL_REDUCE_BYTES_PER_TOKEN = (4, 8)
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,12 @@ class CostModel:
                 one = all_reduce_s(activation_bytes, tp, tp_link)
                 tp_fwd += n_fwd * one
                 tp_bwd += n_bwd * one
+                if model.layer_kind(i) == "head":
+                    tokens = mbs * prof.seq_len
+                    tp_fwd += sum(
+                        all_reduce_s(tokens * b, tp, tp_link)
+                        for b in CROSS_ENTROPY_ALL_REDUCE_BYTES_PER_TOKEN
+                    )
         params = sum(
             shard_box(spec, tp, 0).numel for spec in stage_params(model, start, end)
         )  # TP rank 0 holds the largest shard of every uneven split

@@ -78,6 +78,14 @@ def test_tensor_parallelism_adds_collectives_only_when_tp_exceeds_one():
     one = all_reduce_s(2 * 64 * 96 * 4, 2, link)
     assert two.tp_comm_fwd_s == pytest.approx(4 * one)
     assert two.tp_comm_bwd_s == pytest.approx(4 * one)
+    # The head: its input's gradient backward; the cross-entropy's max, then sum and target logit,
+    # per token in fp32, forward.
+    L, tokens = TINY.num_layers, 2 * 64
+    head = cm.stage(L - 1, L, 2, 2)
+    assert head.tp_comm_bwd_s == pytest.approx(one)
+    assert head.tp_comm_fwd_s == pytest.approx(
+        all_reduce_s(4 * tokens, 2, link) + all_reduce_s(8 * tokens, 2, link)
+    )
 
 
 # ---- 1F1B -------------------------------------------------------------------------------------------
