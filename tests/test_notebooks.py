@@ -21,14 +21,7 @@ def test_notebook_is_stored_without_outputs(notebook):
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
-# The goodput study solves many clusters even at its quick size: minutes on two cores, so it runs
-# with `pytest -m slow` rather than in the default suite.
-SLOW = {"goodput"}
-EXECUTED = [
-    pytest.param(n, marks=pytest.mark.slow) if n.stem in SLOW else n
-    for n in NOTEBOOKS
-    if not covered_elsewhere(n)
-]
+EXECUTED = [n for n in NOTEBOOKS if not covered_elsewhere(n)]
 
 
 @pytest.mark.parametrize("notebook", EXECUTED, ids=lambda n: n.stem)
