@@ -9,12 +9,16 @@ Step time (the runtime does not overlap these three phases):
 Pipeline time under 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM", section 2.2). With F_s, B_s the forward and
 backward time of stage s per micro-batch (compute + tensor-parallel collectives), c_s the
-point-to-point time from stage s to s+1, p stages and m micro-batches:
+point-to-point time between stages s and s+1 (c_-1 = c_p-1 = 0), p stages and m micro-batches:
     warm-up + cool-down:  sum_s (F_s + B_s) + 2 sum_s c_s     (one micro-batch through and back)
-    steady state:         (m - 1) * max_s (F_s + B_s)         (the slowest stage paces the rest)
-For equal stages this is the textbook (m + p - 1)(F + B), exact against a step-by-step simulation of
-the schedule; for unequal stages it is the usual generalisation (as in Alpa's stage construction,
-Zheng et al. 2022), within a few percent of the simulation for balanced stages (tests state the bound).
+    steady state:         (m - 1) * max_s (F_s + B_s + c_s-1 + c_s)
+The runtime waits for every exchange with a neighbour (runtime/pipeline.py: a send and the paired
+receive go out together and both are waited for), so in the steady state each micro-batch costs a
+stage its compute plus one exchange with each neighbour, and the slowest stage paces the rest.
+Against a step-by-step simulation of the runtime's schedule (tests/reference_1f1b.py) it is exact
+for two stages when the back one is the slower, at most one transfer above for equal stages, and
+within 10% above for balanced ones (tests state the bounds); with c = 0 it is the textbook
+(m + p - 1)(F + B).
 
 Gradient sync: every segment of every parameter has one holder per pipeline (costmodel.layout), and
 each holder reduces its segments with the other pipelines' holders by ring all-reduce. A device
@@ -111,7 +115,13 @@ class StageCost:
 def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m: int) -> float:
     """1F1B time of one pipeline (module docstring); p2p[s] is the stage s -> s+1 transfer time."""
     per_stage = [f + b for f, b in zip(fwd_s, bwd_s, strict=True)]
-    return sum(per_stage) + 2 * sum(p2p) + (m - 1) * max(per_stage)
+    return sum(per_stage) + 2 * sum(p2p) + (m - 1) * steady_period_s(per_stage, p2p)
+
+
+def steady_period_s(per_stage: list[float], p2p: list[float]) -> float:
+    """The steady state's time per micro-batch: the slowest stage's F + B and its two exchanges."""
+    c = [0.0, *p2p, 0.0]
+    return max(t + c[s] + c[s + 1] for s, t in enumerate(per_stage))
 
 
 def in_flight(stage: int, num_stages: int, m: int) -> int:

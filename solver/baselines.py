@@ -22,7 +22,7 @@ from itertools import pairwise
 import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan, Stage
-from costmodel.estimate import CostModel
+from costmodel.estimate import CostModel, steady_period_s
 from costmodel.profile import ModelProfile
 from solver.core import sync, tp_degrees
 from solver.master import balance
@@ -39,7 +39,7 @@ def _pipeline_time(tables: dict[int, StageTable], stages: Sequence[Placed], m: i
         (tables[a[2]].p2p_inter_s if a[3] != b[3] else tables[a[2]].p2p_intra_s)[a[1]]
         for a, b in pairwise(stages)
     ]
-    return sum(times) + 2 * sum(p2p) + (m - 1) * max(times)
+    return sum(times) + 2 * sum(p2p) + (m - 1) * steady_period_s(times, p2p)
 
 
 def _fits(tables: dict[int, StageTable], stages: Sequence[Placed]) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.cluster import parse_device
-from costmodel.estimate import CostModel, StageCost
+from costmodel.estimate import CostModel, StageCost, steady_period_s
 from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.placement import place
@@ -183,15 +183,15 @@ def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
     nodes = [parse_device(st.devices[0])[0] for st in pipe.stages]
     runs = tuple(itertools.accumulate((a != b for a, b in itertools.pairwise(nodes)), initial=0))
     time = [tables[tp].time_s[s][e] for s, e, tp in stages]
-    p2p = sum(
-        2 * (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[e]
+    p2p = [
+        (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[e]
         for i, (_, e, tp) in enumerate(stages[:-1])
-    )
+    ]
     return Template(
         stages,
         runs,
-        sum(time) + p2p,
-        max(time),
+        sum(time) + 2 * sum(p2p),
+        steady_period_s(time, p2p),
         max(tables[tp].params[s][e] for s, e, tp in stages),
         max(tables[tp].optimizer_s[s][e] for s, e, tp in stages),
     )

@@ -31,6 +31,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from costmodel.estimate import steady_period_s
 from costmodel.profile import ModelProfile
 from solver.stages import StageTable
 from solver.templates import Packer, Template
@@ -168,18 +169,17 @@ class Splitter:
             stages.append((start, end, tps[s]))
             start = end
         time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
-        p2p = sum(
-            2
-            * (
-                self.tables[tps[s]].p2p_intra_s if runs[s] == runs[s + 1] else self.tables[tps[s]].p2p_inter_s
-            )[e]
+        p2p = [
+            (self.tables[tps[s]].p2p_intra_s if runs[s] == runs[s + 1] else self.tables[tps[s]].p2p_inter_s)[
+                e
+            ]
             for s, (_, e, _) in enumerate(stages[:-1])
-        )
+        ]
         return Template(
             tuple(stages),
             tuple(runs),
-            sum(time) + p2p,
-            max(time),
+            sum(time) + 2 * sum(p2p),
+            steady_period_s(time, p2p),
             max(k.params[b] for k, b in zip(kinds, blocks, strict=True)),
             max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
         )

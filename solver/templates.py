@@ -5,7 +5,8 @@ into *runs* of consecutive stages that share a node, and the four numbers the pl
 
     A  = sum_s (F_s + B_s) + 2 sum_s c_s     warm-up and cool-down (c_s: p2p, intra-node inside a
                                              run, inter-node between runs)
-    M  = max_s (F_s + B_s)                   the steady state's pace
+    M  = max_s (F_s + B_s + c_s-1 + c_s)     the steady state's pace (a stage waits for its exchange
+                                             with each neighbour once per micro-batch)
     W  = max_s params_s                      the largest gradient to synchronise
     O  = max_s optimizer_s                   the slowest optimizer step
 
@@ -17,16 +18,18 @@ micro-batches in flight and that count is known from the back):
 
     state      (l, k, R, u): layers [l, L) are covered by k stages; R is the sorted tuple of the GPU
                counts of completed runs, u the GPUs of the run holding the front-most stage so far.
-    label      (A, M, W, O) of one partial pipeline in that state, plus its stages.
-    base case  the last stage [s, L) at TP t: state (s, 1, (), t), label (F+B, F+B, params, opt),
+    label      (A, M, W, O, E) of one partial pipeline in that state, plus its stages; M covers the
+               stages behind the front one, E is the front stage's F + B + c (its exchange with
+               the stage behind it; the one in front of it is not known yet).
+    base case  the last stage [s, L) at TP t: state (s, 1, (), t), label (F+B, 0, params, opt, F+B),
                if its memory with 1 micro-batch in flight fits.
     transition prepend stage [s, l) at TP t whose memory fits with k + 1 micro-batches in flight:
-               same node   (s, k+1, R, u+t),               A += F+B + 2 c_intra(l), if u+t fits a node
-               new node    (s, k+1, sorted(R + (u,)), t),  A += F+B + 2 c_inter(l)
-               M = max(M, F+B), W = max(W, params), O = max(O, opt).
-    keep       per state, the labels no other label beats in all of A, M, W and O (Pareto set): a
-               label beaten in all four can only lead to pipelines beaten in all four.
-    result     states with l = 0: footprint R + (u,), p = k stages.
+               same node   (s, k+1, R, u+t),               c = c_intra(l), if u+t fits a node
+               new node    (s, k+1, sorted(R + (u,)), t),  c = c_inter(l)
+               A += F+B + 2c, M = max(M, E + c), E = F+B + c, W = max(W, params), O = max(O, opt).
+    keep       per state, the labels no other label beats in all of A, M, W, O and E (Pareto set): a
+               label beaten in all five can only lead to pipelines beaten in all of A, M, W and O.
+    result     states with l = 0: footprint R + (u,), p = k stages, M = max(M, E).
 
 Every partial footprint must fit on the cluster's nodes on its own (bin packing), otherwise the state
 is dropped. A template is then kept only if, among templates of its footprint and stage count with
@@ -117,12 +120,16 @@ def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
 
 
 def _insert(labels: list, new: tuple) -> None:
-    """Add `new` = (A, M, W, O, chain) to a Pareto set over (A, M, W, O) unless a label beats it."""
-    a, m, w, o = new[0], new[1], new[2], new[3]
+    """Add `new` = (A, M, W, O, E, chain) to a Pareto set over (A, M, W, O, E) unless a label beats it."""
+    a, m, w, o, e = new[:5]
     for old in labels:
-        if old[0] <= a and old[1] <= m and old[2] <= w and old[3] <= o:
+        if old[0] <= a and old[1] <= m and old[2] <= w and old[3] <= o and old[4] <= e:
             return
-    labels[:] = [old for old in labels if not (a <= old[0] and m <= old[1] and w <= old[2] and o <= old[3])]
+    labels[:] = [
+        old
+        for old in labels
+        if not (a <= old[0] and m <= old[1] and w <= old[2] and o <= old[3] and e <= old[4])
+    ]
     labels.append(new)
 
 
@@ -166,7 +173,7 @@ def generate(
                 time = tab.time_s[s][L]
                 if time + rest[s] > time_bound_s:
                     continue
-                label = (time, time, tab.params[s][L], tab.optimizer_s[s][L], ((s, L, t, True), None))
+                label = (time, 0.0, tab.params[s][L], tab.optimizer_s[s][L], time, ((s, L, t, True), None))
                 _insert(states[s].setdefault((1, (), t), []), label)
 
     for ell in range(L - 1, 0, -1):
@@ -180,32 +187,32 @@ def generate(
                 tab = tables[t]
                 moves = []
                 if u + t <= largest and packer.fits((*runs, u + t)):
-                    moves.append(((k + 1, runs, u + t), 2 * tab.p2p_intra_s[ell], True))
+                    moves.append(((k + 1, runs, u + t), tab.p2p_intra_s[ell], True))
                 if len(runs) + 1 < run_limit and packer.fits((*runs, u, t)):
                     key = (k + 1, tuple(sorted((*runs, u), reverse=True)), t)
-                    moves.append((key, 2 * tab.p2p_inter_s[ell], False))
+                    moves.append((key, tab.p2p_inter_s[ell], False))
                 if not moves:
                     continue
                 for s in range(ell):
                     if tab.max_in_flight[s][ell] <= k:
                         continue
                     time, params, opt = tab.time_s[s][ell], tab.params[s][ell], tab.optimizer_s[s][ell]
-                    for key, p2p, same in moves:
+                    for key, c, same in moves:
                         target = None
-                        for a, m, w, o, chain in labels:
-                            a2, m2 = a + time + p2p, (m if m > time else time)
-                            if a2 + rest[s] + k * m2 > time_bound_s:
+                        for a, m, w, o, e, chain in labels:
+                            a2, m2, e2 = a + time + 2 * c, max(m, e + c), time + c
+                            if a2 + rest[s] + k * max(m2, e2) > time_bound_s:
                                 continue
                             if target is None:
                                 target = states[s].setdefault(key, [])
                             w2, o2 = (w if w >= params else params), (o if o >= opt else opt)
-                            _insert(target, (a2, m2, w2, o2, ((s, ell, t, same), chain)))
+                            _insert(target, (a2, m2, w2, o2, e2, ((s, ell, t, same), chain)))
 
     found: dict[tuple, list[Template]] = {}
     for (k, runs, u), labels in states[0].items():
         footprint = tuple(sorted((*runs, u), reverse=True))
-        for a, m, w, o, chain in labels:
-            found.setdefault((footprint, k), []).append(_template(chain, a, m, w, o))
+        for a, m, w, o, e, chain in labels:
+            found.setdefault((footprint, k), []).append(_template(chain, a, max(m, e), w, o))
     return prune([t for group in found.values() for t in lower_envelope(group)])
 
 
