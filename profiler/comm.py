@@ -3,15 +3,27 @@
 `measure_collectives` spawns N local processes (gloo on CPU, NCCL with one GPU each on CUDA) that
 meet through a FileStore in a temporary directory and talk over the loopback interface only. For
 every group size n = 2..N (ranks 0..n-1) it times all-reduce, all-gather, reduce-scatter and
-point-to-point send/recv (pairs 0->1, 2->3, ... at once) at message sizes from 4 bytes to 32 MiB:
-the median of `repeats` runs after `warmup`, the slowest rank's median counting.
+point-to-point exchanges (pairs 0<->1, 2<->3, ... at once; each rank of a pair sends and receives
+the message, as a pipeline stage does in 1F1B's steady state, with `batch_isend_irecv` as the
+runtime does) at message sizes from 4 bytes to 64 MiB.
+
+Collectives are timed as training uses them: straight after a burst of compute, not back to back
+after a barrier. On a CPU the two differ several-fold: a rank that reaches a collective from
+computing pays for waking its peer and for the transport's threads competing with compute for the
+cores (gloo on two cores: a 100 kB all-reduce cost 1.6-2.5 ms after a 1.4 ms burst of matmuls,
+against the ~0.3 ms that back-to-back timing predicted; tensor-parallel stages, which all-reduce
+after every attention and MLP, ran 2.5x slower than predicted from back-to-back figures). Each
+sample is the time of ITERATIONS (burst, collective) rounds less that of ITERATIONS bursts alone,
+per round; the median of `repeats` samples after `warmup`, the slowest rank's median counting.
+On CUDA the burst is synchronised before the collective starts, so what is timed is the
+collective's own kernel.
 
 `fit` fits, per collective, the model the cost model evaluates (costmodel/comm.py):
     time_s = steps(n) * latency_s + bus_bytes(n, S) / (bandwidth_gbps * 1e9)
     all_reduce      steps 2(n-1)  bus 2(n-1)/n * S   (S: the buffer reduced)
     all_gather      steps n-1     bus (n-1)/n * S    (S: the gathered output)
     reduce_scatter  steps n-1     bus (n-1)/n * S    (S: the input reduced)
-    p2p             steps 1       bus S              (S: the message; send/recv)
+    p2p             steps 1       bus S              (S: the message each rank of a pair sends and receives)
 by least squares on relative error (numpy), so microsecond latencies weigh as much as megabyte
 transfers, over all group sizes together, and per group size for inspection. Messages too small to
 show a bandwidth (all latency-bound) keep the device kind's table figure, marked `bandwidth_from`.
@@ -26,7 +38,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +56,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DEFAULT_SIZES = tuple(4 * 8**k for k in range(9))
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
+# The compute before each timed collective, and the (burst, collective) rounds per sample.
+BURST_S = 1.5e-3
+ITERATIONS = 4
 # The whole benchmark must finish within this, or it is stopped and reported.
 TIMEOUT_S = 600
 
@@ -71,7 +86,7 @@ def _loopback_interface() -> str | None:
 
 
 def _operation(collective: str, n: int, rank: int, numel: int, group, device):
-    """A closure running one `collective` of `numel` float32 elements, and the bytes it is timed at."""
+    """A closure running one `collective` of `numel` float32 elements."""
     if collective == "all_reduce":
         buf = torch.zeros(numel, device=device)
         return lambda: dist.all_reduce(buf, group=group)
@@ -81,27 +96,58 @@ def _operation(collective: str, n: int, rank: int, numel: int, group, device):
     if collective == "reduce_scatter":
         out, inp = torch.empty(numel // n, device=device), torch.zeros(numel, device=device)
         return lambda: dist.reduce_scatter_single(out, inp, group=group)
-    buf = torch.zeros(numel, device=device)
     peer = rank ^ 1  # pairs (0, 1), (2, 3), ...; the last rank of an odd group idles
     if peer >= n:
         return lambda: None
-    return (lambda: dist.send(buf, peer)) if rank % 2 == 0 else (lambda: dist.recv(buf, peer))
+    send, recv = torch.zeros(numel, device=device), torch.empty(numel, device=device)
+
+    def exchange() -> None:
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return exchange
 
 
-def _time_collective(collective, n, rank, num_bytes, group, device, repeats, warmup) -> tuple[int, float]:
+def _compute_burst(device) -> Callable[[], None]:
+    """A closure computing for about BURST_S seconds (matmuls; the count calibrated here)."""
+    a = torch.randn(128, 128, device=device)
+
+    def matmuls(count: int) -> None:
+        out = a
+        for _ in range(count):
+            out = a @ out
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    matmuls(10)
+    start = time.perf_counter()
+    matmuls(50)
+    count = max(1, round(BURST_S / ((time.perf_counter() - start) / 50)))
+    return lambda: matmuls(count)
+
+
+def _time_collective(
+    collective, n, rank, num_bytes, group, device, burst, repeats, warmup
+) -> tuple[int, float]:
+    """(bytes, seconds) of one collective as training meets it, after a compute burst (module docstring)."""
     numel = max(n, num_bytes // 4 // n * n)  # float32 elements, divisible by n
     op = _operation(collective, n, rank, numel, group, device)
-    times = []
-    for _ in range(warmup + repeats):
+
+    def rounds(with_op: bool) -> float:
         dist.barrier(group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        op()
+        for _ in range(ITERATIONS):
+            burst()
+            if with_op:
+                op()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor([float(np.median(times[warmup:]))], dtype=torch.float64, device=device)
+        return (time.perf_counter() - start) / ITERATIONS
+
+    samples = [rounds(True) - rounds(False) for _ in range(warmup + repeats)]
+    seconds = max(float(np.median(samples[warmup:])), 0.0)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return numel * 4, float(slowest.item())
 
@@ -125,13 +171,22 @@ def _worker(
     try:
         groups = {n: dist.new_group(list(range(n))) for n in range(2, world)}
         groups[world] = dist.group.WORLD
+        burst = _compute_burst(device)
         samples = []
         for n, group in sorted(groups.items()):
             for collective in COLLECTIVES:
                 for size in options["sizes"]:
                     if rank < n:
                         num_bytes, seconds = _time_collective(
-                            collective, n, rank, size, group, device, options["repeats"], options["warmup"]
+                            collective,
+                            n,
+                            rank,
+                            size,
+                            group,
+                            device,
+                            burst,
+                            options["repeats"],
+                            options["warmup"],
                         )
                         samples.append(
                             {"collective": collective, "group_size": n, "bytes": num_bytes, "time_s": seconds}
@@ -253,7 +308,8 @@ def collectives_block(
     block["measurement"] = {
         "backend": backend,
         "model": "time_s = steps(n) * latency_s + bus_bytes(n, S) / (bandwidth_gbps * 1e9), ring "
-        "algorithms as in costmodel/comm.py; p2p is send/recv",
+        "algorithms as in costmodel/comm.py; p2p is a two-way exchange; each timed after a burst of "
+        "compute, as training meets it",
         "scopes_measured": ["intra_node"],
         "note": "measured on one host, so only the intra-node scope is real; inter_node is a copy of "
         "the intra-node fit until it is measured across hosts",
