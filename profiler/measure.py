@@ -8,6 +8,14 @@ and from CUDA events on a GPU. Parameter gradients accumulate across repeats, as
 micro-batches of a training step. Once per shard, the optimizer's share of a step on its parameters:
 what `runtime.trainer` does to a stage's gradients besides the sync (zero them, sum their squares for
 the global norm, scale them by the clip coefficient, AdamW step), timed the same way.
+
+Layers are timed where training runs them: in a chain embed, CHAIN_BLOCKS blocks, head, forward
+front to back, then one backward from the loss, with a timestamp between every two layers each
+way; a block's figures are the middle block's, whose neighbours are blocks both ways.
+A layer run again and again on its own finds its weights and activations still in the core's caches,
+which in training the layers between two of its runs have evicted: on two CPU cores, gpt-tiny's
+whole model ran 10-20% slower than the sum of its layers timed alone, and within 3% of the sum of
+its layers timed in the chain (`tests/test_profiler.py`).
 """
 
 import os
@@ -36,6 +44,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Under a load of 5 on 2 cores, back-to-back medians of one layer differed by up to 2x without this.
 UNDISTURBED_CPU_FRACTION = 0.9
 MAX_RETRIES_PER_RUN = 4
+# Blocks in the timing chain (the module docstring): the middle one has blocks on both sides.
+CHAIN_BLOCKS = 3
 # CUDA device names and the device kinds of costmodel.hardware they are (memory tells A100s apart).
 CUDA_KINDS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-{}GB"))
 
@@ -75,58 +85,80 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return float(median), float(q3 - q1)
 
 
-def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    out.backward(grad if out.dim() else None)
+class _Clock:
+    """Timestamps of one training step: CUDA events on a GPU, the wall clock on a CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.marks: list = []
+        self.cpu0 = time.thread_time()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    def undisturbed(self) -> bool:
+        """With one thread, torch computes on this thread: CPU time short of wall time means the OS
+        gave the core to another process mid-step (thread_time's resolution is far below a step's)."""
+        if self.cuda or torch.get_num_threads() > 1:
+            return True
+        wall = self.marks[-1] - self.marks[0]
+        return time.thread_time() - self.cpu0 >= UNDISTURBED_CPU_FRACTION * wall
 
 
-def _cuda_step(
-    shard: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor | None
-) -> tuple[float, float, bool]:
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    torch.cuda.synchronize()
-    marks[0].record()
-    out = shard(x)
-    marks[1].record()
-    _backward(out, grad)
-    marks[2].record()
-    marks[2].synchronize()
-    return marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3, True
+def _chain_step(chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str) -> tuple[list, list, bool]:
+    """One forward and backward of the chain as a stage runs them: (forward seconds, backward
+    seconds) per layer in chain order, and whether the run was undisturbed. The backward is one call
+    from the loss; a hook on each layer's output marks when its gradient arrives, which is when the
+    layer after it has finished its backward."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    clock = _Clock(device)
+    clock.mark()
+    x = ids
+    for layer in chain:
+        x = layer(x)
+        clock.mark()
+        if layer is not chain[-1]:
+            x.register_hook(lambda _grad: clock.mark())
+    x.backward()
+    clock.mark()
+    times = clock.intervals()
+    n = len(chain)
+    return times[:n], times[n:][::-1], clock.undisturbed()
 
 
-def _cpu_step(
-    shard: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor | None
-) -> tuple[float, float, bool]:
-    cpu0, t0 = time.thread_time(), time.perf_counter()
-    out = shard(x)
-    t1 = time.perf_counter()
-    _backward(out, grad)
-    t2, cpu2 = time.perf_counter(), time.thread_time()
-    # With one thread, torch computes on this thread: CPU time short of wall time means the OS
-    # gave the core to another process mid-run (thread_time's resolution is far below a run's).
-    undisturbed = torch.get_num_threads() > 1 or cpu2 - cpu0 >= UNDISTURBED_CPU_FRACTION * (t2 - t0)
-    return t1 - t0, t2 - t1, undisturbed
-
-
-def _timed_steps(
-    shard: torch.nn.Module, x: torch.Tensor, device: str, warmup: int, repeats: int
-) -> tuple[list[float], list[float], int]:
-    """Forward and backward seconds of `repeats` training steps of `shard` on `x` after `warmup`
-    steps, and how many disturbed CPU runs were discarded on the way."""
-    step = _cuda_step if device == "cuda" else _cpu_step
-    with torch.no_grad():
-        grad = torch.randn_like(shard(x))
-    fwd, bwd, discarded = [], [], 0
+def _timed_chain(
+    chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str, warmup: int, repeats: int
+) -> tuple[list[list[float]], list[list[float]], int]:
+    """Per layer of the chain, forward and backward seconds of `repeats` steps after `warmup` steps,
+    and how many disturbed CPU steps were discarded on the way."""
+    fwd: list[list[float]] = [[] for _ in chain]
+    bwd: list[list[float]] = [[] for _ in chain]
+    kept, discarded = 0, 0
     for attempt in range(warmup + repeats * (1 + MAX_RETRIES_PER_RUN)):
-        fwd_s, bwd_s, undisturbed = step(shard, x, grad)
-        x.grad = None
+        fwd_s, bwd_s, undisturbed = _chain_step(chain, ids, device)
         if attempt < warmup:
             continue
         if not undisturbed and discarded < repeats * MAX_RETRIES_PER_RUN:
             discarded += 1
             continue
-        fwd.append(fwd_s)
-        bwd.append(bwd_s)
-        if len(fwd) == repeats:
+        for i in range(len(chain)):
+            fwd[i].append(fwd_s[i])
+            bwd[i].append(bwd_s[i])
+        kept += 1
+        if kept == repeats:
             break
     return fwd, bwd, discarded
 
@@ -207,33 +239,48 @@ class _Session:
     discarded: int = 0
 
     def layer_costs(
-        self, kind: str, tp_degree: int, micro_batch_sizes: Sequence[int], tick: Callable[[], object]
-    ) -> list[LayerCost]:
-        """The costs of TP rank 0's shard of a `kind` layer at each micro-batch size."""
-        shard = build_shard(self.config, kind, tp_degree, self.device, TORCH_DTYPES[self.dtype])
-        optimizer_s, discarded = _optimizer_s(shard, self.device, self.warmup, self.repeats)
-        self.discarded += discarded
-        costs = []
-        for mbs in micro_batch_sizes:
-            x = example_input(shard, self.config, mbs, self.seq_len, self.generator)
-            fwd, bwd, discarded = _timed_steps(shard, x, self.device, self.warmup, self.repeats)
+        self, tp_degree: int, micro_batch_sizes: Sequence[int], tick: Callable[[], object]
+    ) -> dict[str, list[LayerCost]]:
+        """Per layer kind, the costs of TP rank 0's shard at each micro-batch size, timed in the chain."""
+        dtype = TORCH_DTYPES[self.dtype]
+        shards = {kind: build_shard(self.config, kind, tp_degree, self.device, dtype) for kind in KINDS}
+        blocks = [shards["block"]] + [
+            build_shard(self.config, "block", tp_degree, self.device, dtype) for _ in range(CHAIN_BLOCKS - 1)
+        ]
+        chain = [shards["embed"], *blocks, shards["head"]]
+        position = {"embed": 0, "block": 1 + CHAIN_BLOCKS // 2, "head": len(chain) - 1}
+        optimizer_s = {}
+        for kind, shard in shards.items():
+            optimizer_s[kind], discarded = _optimizer_s(shard, self.device, self.warmup, self.repeats)
             self.discarded += discarded
-            (fwd_s, fwd_spread), (bwd_s, bwd_spread) = _stats(fwd), _stats(bwd)
-            kept, transient = _activation(shard, x, self.device)
-            costs.append(
-                LayerCost(
-                    micro_batch_size=mbs,
-                    tp_degree=tp_degree,
-                    fwd_s=fwd_s,
-                    bwd_s=bwd_s,
-                    activation_bytes=kept,
-                    fwd_spread_s=fwd_spread,
-                    bwd_spread_s=bwd_spread,
-                    fwd_flops=analytic.forward_flops(self.config, kind, mbs, self.seq_len, tp_degree),
-                    transient_bytes=transient,
-                    optimizer_s=optimizer_s,
+        costs: dict[str, list[LayerCost]] = {kind: [] for kind in KINDS}
+        for mbs in micro_batch_sizes:
+            inputs = {
+                kind: example_input(shard, self.config, mbs, self.seq_len, self.generator)
+                for kind, shard in shards.items()
+            }  # the head's sets its targets
+            fwd, bwd, discarded = _timed_chain(chain, inputs["embed"], self.device, self.warmup, self.repeats)
+            self.discarded += discarded
+            for kind, shard in shards.items():
+                (fwd_s, fwd_spread), (bwd_s, bwd_spread) = (
+                    _stats(fwd[position[kind]]),
+                    _stats(bwd[position[kind]]),
                 )
-            )
+                kept, transient = _activation(shard, inputs[kind], self.device)
+                costs[kind].append(
+                    LayerCost(
+                        micro_batch_size=mbs,
+                        tp_degree=tp_degree,
+                        fwd_s=fwd_s,
+                        bwd_s=bwd_s,
+                        activation_bytes=kept,
+                        fwd_spread_s=fwd_spread,
+                        bwd_spread_s=bwd_spread,
+                        fwd_flops=analytic.forward_flops(self.config, kind, mbs, self.seq_len, tp_degree),
+                        transient_bytes=transient,
+                        optimizer_s=optimizer_s[kind],
+                    )
+                )
             tick()
         return costs
 
@@ -263,7 +310,7 @@ def measure_profile(
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     bar = tqdm(
-        total=len(KINDS) * len(tp_degrees) * len(micro_batch_sizes),
+        total=len(tp_degrees) * len(micro_batch_sizes),
         desc=f"profiling {config.name} on {device}",
         unit="shape",
         disable=not progress,
@@ -273,12 +320,8 @@ def measure_profile(
             torch.set_num_threads(threads)
         threads_used = torch.get_num_threads()
         with bar:
-            costs = {
-                kind: [
-                    c for t in tp_degrees for c in session.layer_costs(kind, t, micro_batch_sizes, bar.update)
-                ]
-                for kind in KINDS
-            }
+            per_tp = [session.layer_costs(t, micro_batch_sizes, bar.update) for t in tp_degrees]
+            costs = {kind: [c for measured in per_tp for c in measured[kind]] for kind in KINDS}
     finally:
         torch.set_num_threads(previous_threads)
     layers = []
@@ -316,6 +359,7 @@ def measure_profile(
             "statistic": "median; spread = interquartile range",
             "optimizer": "zero grads, squared-norm sum, clip multiply, AdamW step on the shard's parameters",
             "shared": "one block measured, shared by every block",
+            "context": f"timed in a chain embed, {CHAIN_BLOCKS} blocks (the middle one counts), head",
             "hardware": hardware,
             "threads": threads_used,
             "torch": torch.__version__,
