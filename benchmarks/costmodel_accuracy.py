@@ -22,11 +22,15 @@ devices with even and uneven micro-batch counts, two-stage pipelines with balanc
 splits, and a stage of TP degree 2. Every process, profiling and training, computes with one torch
 thread: one process plays one device.
 
-Noise: other jobs share the machine. Before each profile-and-train the script waits for a few
-seconds in which the machine is idle; during the timed steps it counts the CPU other processes used
-(Linux /proc/stat less this plan's own processes), and a plan disturbed by more than
-`--max-others-cpu` cores is profiled and trained again, the least disturbed try counting (as the
-profiler discards runs that another process preempted). The table shows that figure per plan.
+Noise: other jobs share the machine, and the machine's own speed drifts: a virtual machine whose
+host is shared, so a block's time moves by 10-40% within minutes while no process of this machine
+is busy. Two defences. Before each profile-and-train the script waits for a few seconds in which
+the machine is idle; during the timed steps it counts the CPU other processes used (Linux
+/proc/stat less this plan's own processes), and a plan disturbed by more than `--max-others-cpu`
+cores is profiled and trained again, the least disturbed try counting (as the profiler discards
+runs that another process preempted). And each plan is profiled and trained `--rounds` times,
+alternating, so that profile and training sample the same drift: its predicted and measured step
+times are the medians over the rounds (each round's prediction from that round's profile).
 
 Report: a table (plan, devices, predicted, measured, error and the terms), the mean absolute
 percentage error and Spearman's rank correlation (targets: MAPE <= 15%, Spearman >= 0.8), a JSON file.
@@ -352,6 +356,52 @@ def measure_plan(plan: Plan, args: argparse.Namespace, tmp: Path) -> dict:
     return {**kept, "tries": notes}
 
 
+def plan_row(name: str, plan_json: dict, cluster: ClusterSpec, args: argparse.Namespace, tmp: Path) -> dict:
+    """Predicted and measured figures of one plan: medians over `args.rounds` profile-and-train rounds."""
+    plan = Plan.from_json(plan_json).validate(cluster)
+    rounds = []
+    for _ in range(args.rounds):
+        run = measure_plan(plan, args, tmp)
+        estimate = CostModel(run["profile"], cluster).estimate(plan)
+        rounds.append(
+            {
+                "predicted_step_s": estimate.step_time_s,
+                "predicted_terms_s": {
+                    "pipeline": max(estimate.pipeline_times_s),
+                    "sync": estimate.sync_s,
+                    "optimizer": estimate.optimizer_s,
+                },
+                "measured_terms_s": measured_terms(run["ranks"], args.warmup),
+                "others_cpu_cores": run["others_cpu_cores"],
+                "tries": run["tries"],
+                "measured_steps_s": run["ranks"][0]["step_s"],
+                "profile": run["profile"].to_json(),
+            }
+        )
+
+    def median(get) -> float:
+        return statistics.median(get(r) for r in rounds)
+
+    predicted = median(lambda r: r["predicted_step_s"])
+    measured = median(lambda r: r["measured_terms_s"]["step"])
+    return {
+        "plan": name,
+        "devices": plan.world_size,
+        "predicted_step_s": predicted,
+        "measured_step_s": measured,
+        "error": predicted / measured - 1,
+        "predicted_terms_s": {
+            k: median(lambda r, k=k: r["predicted_terms_s"][k]) for k in rounds[0]["predicted_terms_s"]
+        },
+        "measured_terms_s": {
+            k: median(lambda r, k=k: r["measured_terms_s"][k]) for k in rounds[0]["measured_terms_s"]
+        },
+        "others_cpu_cores": max(r["others_cpu_cores"] for r in rounds),
+        "rounds": rounds,
+        "plan_json": plan_json,
+    }
+
+
 # ---- the report ---------------------------------------------------------------------------------
 def print_table(rows: list[dict], summary: dict) -> None:
     table = [
@@ -410,7 +460,10 @@ def main() -> int:
         default=0.3,
         help="cores other processes may use during a plan's timed steps (default: %(default)s)",
     )
-    parser.add_argument("--tries", type=int, default=3, help="tries per plan at most (default: %(default)s)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="profile-and-train rounds per plan (default: %(default)s)"
+    )
+    parser.add_argument("--tries", type=int, default=3, help="tries per round at most (default: %(default)s)")
     parser.add_argument(
         "--patience-s",
         type=float,
@@ -424,8 +477,10 @@ def main() -> int:
     if args.worker:
         _worker(Path(args.plan), args.steps, args.warmup, Path(args.result))
         return 0
-    if args.steps <= args.warmup or args.tries < 1:
-        raise SystemExit("costmodel_accuracy: --steps must exceed --warmup, and --tries be at least 1.")
+    if args.steps <= args.warmup or args.tries < 1 or args.rounds < 1:
+        raise SystemExit(
+            "costmodel_accuracy: --steps must exceed --warmup, --tries and --rounds be at least 1."
+        )
 
     config = PRESETS[args.model]
     started, load_before = time.perf_counter(), load_average()
@@ -438,31 +493,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, plan_json in plans(config).items():
-            print(f"profiling and training {name} ...", flush=True)
-            plan = Plan.from_json(plan_json).validate(cluster)
-            run = measure_plan(plan, args, Path(tmp))
-            estimate = CostModel(run["profile"], cluster).estimate(plan)
-            measured = measured_terms(run["ranks"], args.warmup)
-            rows.append(
-                {
-                    "plan": name,
-                    "devices": plan.world_size,
-                    "predicted_step_s": estimate.step_time_s,
-                    "measured_step_s": measured["step"],
-                    "error": estimate.step_time_s / measured["step"] - 1,
-                    "predicted_terms_s": {
-                        "pipeline": max(estimate.pipeline_times_s),
-                        "sync": estimate.sync_s,
-                        "optimizer": estimate.optimizer_s,
-                    },
-                    "measured_terms_s": measured,
-                    "others_cpu_cores": run["others_cpu_cores"],
-                    "tries": run["tries"],
-                    "measured_steps_s": run["ranks"][0]["step_s"],
-                    "plan_json": plan_json,
-                    "profile": run["profile"].to_json(),
-                }
-            )
+            print(f"profiling and training {name} ({args.rounds} rounds) ...", flush=True)
+            rows.append(plan_row(name, plan_json, cluster, args, Path(tmp)))
     predicted = [r["predicted_step_s"] for r in rows]
     measured_s = [r["measured_step_s"] for r in rows]
     summary = {"mape": mape(predicted, measured_s), "spearman": spearman(predicted, measured_s)}
@@ -481,6 +513,7 @@ def main() -> int:
         "warmup_steps": args.warmup,
         "threads_per_process": TRAIN_THREADS,
         "max_others_cpu_cores": args.max_others_cpu,
+        "rounds": args.rounds,
         "load_average_1min": {"before": load_before, "after": load_after},
         **summary,
         "mape_target": MAPE_TARGET,
