@@ -28,9 +28,10 @@ is busy. Two defences. Before each profile-and-train the script waits for a few 
 the machine is idle; during the timed steps it counts the CPU other processes used (Linux
 /proc/stat less this plan's own processes), and a plan disturbed by more than `--max-others-cpu`
 cores is profiled and trained again, the least disturbed try counting (as the profiler discards
-runs that another process preempted). And each plan is profiled and trained `--rounds` times,
-alternating, so that profile and training sample the same drift: its predicted and measured step
-times are the medians over the rounds (each round's prediction from that round's profile).
+runs that another process preempted). And each plan is profiled and trained `--rounds` times: a
+round pairs a profile with the training right after it, so that the two share the machine's speed,
+and the plan's figures are those of its median round by error (the median of the paired errors).
+The collectives are timed COMM_REPEATS times per size, as each all-reduce of a TP stage counts.
 
 Report: a table (plan, devices, predicted, measured, error and the terms), the mean absolute
 percentage error and Spearman's rank correlation (targets: MAPE <= 15%, Spearman >= 0.8), a JSON file.
@@ -62,6 +63,7 @@ MAPE_TARGET, SPEARMAN_TARGET = 0.15, 0.8
 TRAIN_THREADS = 1  # torch intra-op threads per process: one process plays one device
 # Collective message sizes: 4 bytes to 8 MiB by factors of 8, past gpt-tiny's 2.4 MB of gradients.
 COMM_SIZES = tuple(4 * 8**k for k in range(8))
+COMM_REPEATS = 15
 PHASES = ("zero", "pipeline", "sync", "optimizer")  # parts of Trainer.train_step timed on their own
 QUIET_SECONDS = 3  # consecutive idle seconds that count as a quiet machine
 
@@ -268,7 +270,7 @@ def measure_cluster() -> ClusterSpec:
     from costmodel.hardware import DEVICE_KINDS
     from profiler.comm import collectives_block, measure_collectives, measured_cluster
 
-    samples = measure_collectives(2, device="cpu", sizes=COMM_SIZES)
+    samples = measure_collectives(2, device="cpu", sizes=COMM_SIZES, repeats=COMM_REPEATS)
     block = collectives_block(samples, "gloo", DEVICE_KINDS["cpu"].intra_node_gbps)
     return measured_cluster(block, 2, "cpu")
 
@@ -357,7 +359,8 @@ def measure_plan(plan: Plan, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def plan_row(name: str, plan_json: dict, cluster: ClusterSpec, args: argparse.Namespace, tmp: Path) -> dict:
-    """Predicted and measured figures of one plan: medians over `args.rounds` profile-and-train rounds."""
+    """Predicted and measured figures of one plan: those of its median round by error, of
+    `args.rounds` profile-and-train rounds (each round's prediction from that round's profile)."""
     plan = Plan.from_json(plan_json).validate(cluster)
     rounds = []
     for _ in range(args.rounds):
@@ -379,23 +382,17 @@ def plan_row(name: str, plan_json: dict, cluster: ClusterSpec, args: argparse.Na
             }
         )
 
-    def median(get) -> float:
-        return statistics.median(get(r) for r in rounds)
-
-    predicted = median(lambda r: r["predicted_step_s"])
-    measured = median(lambda r: r["measured_terms_s"]["step"])
+    for r in rounds:
+        r["error"] = r["predicted_step_s"] / r["measured_terms_s"]["step"] - 1
+    middle = sorted(rounds, key=lambda r: r["error"])[len(rounds) // 2]
     return {
         "plan": name,
         "devices": plan.world_size,
-        "predicted_step_s": predicted,
-        "measured_step_s": measured,
-        "error": predicted / measured - 1,
-        "predicted_terms_s": {
-            k: median(lambda r, k=k: r["predicted_terms_s"][k]) for k in rounds[0]["predicted_terms_s"]
-        },
-        "measured_terms_s": {
-            k: median(lambda r, k=k: r["measured_terms_s"][k]) for k in rounds[0]["measured_terms_s"]
-        },
+        "predicted_step_s": middle["predicted_step_s"],
+        "measured_step_s": middle["measured_terms_s"]["step"],
+        "error": middle["error"],
+        "predicted_terms_s": middle["predicted_terms_s"],
+        "measured_terms_s": middle["measured_terms_s"],
         "others_cpu_cores": max(r["others_cpu_cores"] for r in rounds),
         "rounds": rounds,
         "plan_json": plan_json,

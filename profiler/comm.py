@@ -24,9 +24,10 @@ collective's own kernel.
     all_gather      steps n-1     bus (n-1)/n * S    (S: the gathered output)
     reduce_scatter  steps n-1     bus (n-1)/n * S    (S: the input reduced)
     p2p             steps 1       bus S              (S: the message each rank of a pair sends and receives)
-by least squares on relative error (numpy), so microsecond latencies weigh as much as megabyte
-transfers, over all group sizes together, and per group size for inspection. Messages too small to
-show a bandwidth (all latency-bound) keep the device kind's table figure, marked `bandwidth_from`.
+by least absolute relative error (numpy; robust to a disturbed size), so microsecond latencies
+weigh as much as megabyte transfers, over all group sizes together, and per group size for
+inspection. Messages too small to show a bandwidth (all latency-bound) keep the device kind's table
+figure, marked `bandwidth_from`.
 
 One host can only measure the intra-node scope. The inter-node entry is a copy of the intra-node
 fit, marked `copied_from`, so that a cluster file written here is complete; replace it with a
@@ -248,7 +249,7 @@ def measure_collectives(
 
 # ---- the fit -----------------------------------------------------------------------------------------
 def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Least-squares latency and bandwidth of one collective's samples, minimising relative error.
+    """Latency and bandwidth of one collective's samples, minimising the absolute relative error.
 
     A negative latency is clamped to zero and the bandwidth refitted. When the messages never leave
     the latency-bound regime (the fitted seconds per byte is not positive), the samples say nothing
@@ -258,14 +259,13 @@ def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     terms = np.array([model_terms(collective, s["group_size"], s["bytes"]) for s in samples], dtype=float)
     times = np.array([s["time_s"] for s in samples], dtype=float)
     weighted = terms / times[:, None]  # each row divided by its time: relative residuals
-    ones = np.ones(len(samples))
-    (latency, seconds_per_byte), *_ = np.linalg.lstsq(weighted, ones, rcond=None)
+    (latency, seconds_per_byte) = _least_absolute(weighted)
     if seconds_per_byte <= 0:
         seconds_per_byte = 0.0
-        latency = max(np.linalg.lstsq(weighted[:, :1], ones, rcond=None)[0][0], 0.0)
+        latency = max(_least_absolute(weighted[:, :1])[0], 0.0)
     elif latency < 0:
         latency = 0.0
-        seconds_per_byte = np.linalg.lstsq(weighted[:, 1:], ones, rcond=None)[0][0]
+        seconds_per_byte = _least_absolute(weighted[:, 1:])[0]
     predicted = terms @ np.array([latency, seconds_per_byte])
     return {
         "latency_s": float(latency),
@@ -273,6 +273,18 @@ def fit_alpha_beta(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "max_rel_error": float(np.max(np.abs(predicted - times) / times)),
         "samples": len(samples),
     }
+
+
+def _least_absolute(rows: np.ndarray, iterations: int = 100) -> np.ndarray:
+    """x minimising sum |rows @ x - 1| (least absolute deviations, by iteratively reweighted least
+    squares): one disturbed message size among eight moves the fit far less than under squares."""
+    ones = np.ones(len(rows))
+    x = np.linalg.lstsq(rows, ones, rcond=None)[0]
+    for _ in range(iterations):
+        weights = 1.0 / np.maximum(np.abs(rows @ x - ones), 1e-6)
+        root = np.sqrt(weights)
+        x = np.linalg.lstsq(rows * root[:, None], ones * root, rcond=None)[0]
+    return x
 
 
 def _fit(samples: Sequence[dict[str, Any]], fallback_gbps: float) -> dict[str, Any]:

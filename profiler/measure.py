@@ -14,8 +14,8 @@ front to back, then one backward from the loss, with a timestamp between every t
 way; a block's figures are the middle block's, whose neighbours are blocks both ways.
 A layer run again and again on its own finds its weights and activations still in the core's caches,
 which in training the layers between two of its runs have evicted: on two CPU cores, gpt-tiny's
-whole model ran 10-20% slower than the sum of its layers timed alone, and within 3% of the sum of
-its layers timed in the chain (`tests/test_profiler.py`).
+whole model ran 10-20% slower than the sum of its layers timed alone; what the chain changes for
+whole plans is in benchmarks/costmodel_accuracy.py's results.
 """
 
 import os
