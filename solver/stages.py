@@ -14,12 +14,17 @@ The combined fields are numpy arrays indexed [s, e], wrapped in a `StageCost` so
 `costmodel/estimate.py`.
 """
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from costmodel.estimate import CostModel, StageCost
 
+# Tables already built, for the searches of one solve (the main one, the node-drop seed, the
+# baselines): keyed by the profile's identity (the entry keeps it alive), the device and links.
+_BUILT: dict[tuple, tuple[object, "StageTable"]] = {}
+_BUILT_LIMIT = 256
 NO_FIT = -1  # `max_in_flight` of a stage that does not fit even without activations
 UNBOUNDED = 1 << 40  # `max_in_flight` of a stage that keeps no activations
 
@@ -78,6 +83,21 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
 
 
 def stage_table(cm: CostModel, tp: int, mbs: int) -> StageTable:
+    """The table of one TP degree and micro-batch size; it depends on the profile, the device and
+    the links, not on the nodes, so clusters that differ only in their nodes share it."""
+    cluster = cm.cluster.to_json()
+    key = (id(cm.profile), json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs)
+    hit = _BUILT.get(key)
+    if hit is not None and hit[0] is cm.profile:
+        return hit[1]
+    if len(_BUILT) >= _BUILT_LIMIT:
+        _BUILT.clear()
+    table = _build(cm, tp, mbs)
+    _BUILT[key] = (cm.profile, table)
+    return table
+
+
+def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
     grid = stage_grid(cm, tp, mbs)
     idle = np.rint(sum(grid.memory_bytes(0).values())).astype(np.int64)
     # What one more micro-batch in flight adds: its activations (the peak is linear in the count).
