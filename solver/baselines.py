@@ -28,6 +28,7 @@ from solver.core import sync, tp_degrees
 from solver.master import balance
 from solver.skeletons import Splitter, block_uniform
 from solver.stages import StageTable, stage_table
+from solver.templates import fewest_gpus
 
 # A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
 Placed = tuple[int, int, int, int, int]
@@ -197,10 +198,14 @@ def pow2_greedy(
         allowed = tp_degrees(profile, cluster)
         tables = {t: stage_table(cm, t, mbs) for t in allowed}
         split = _BalancedSplit(tables, L, uniform_blocks)
+        total = len(cluster.devices)
+        smallest = fewest_gpus(tables, L, total)  # no pipeline of fewer GPUs fits
 
         for nominal in [t for t in allowed if t & (t - 1) == 0]:
             groups = pow2_groups(cluster, nominal, allowed)
             for D in range(1, len(groups) + 1):
+                if total // D < smallest:
+                    break  # some pipeline gets at most the average: too few GPUs, here and beyond
                 members: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
                 loads = [(0, i) for i in range(D)]  # (GPUs, pipeline): each group to the emptiest
                 for g in groups:
