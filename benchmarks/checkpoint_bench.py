@@ -50,6 +50,7 @@ from costmodel import PRESETS, Pipeline, Plan, Stage  # noqa: E402
 from costmodel.layout import device_pieces  # noqa: E402
 from costmodel.table import format_table  # noqa: E402
 from runtime.checkpoint import Checkpointer, load_checkpoint, wanted_for  # noqa: E402
+from runtime.elastic.launch import free_port  # noqa: E402
 from runtime.model import Block, RMSNorm, rotary_tables  # noqa: E402
 
 KINDS = ("", "optim.exp_avg.", "optim.exp_avg_sq.")
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         disks = [disk_bandwidth(root, state_bytes)]  # before and after the workers: the disk drifts
         raw = root / "results.json"
-        port = _free_port()
+        port = free_port()
         mp.start_processes(
             worker, args=(args, port, str(root), str(raw)), nprocs=args.procs, start_method="spawn"
         )
@@ -487,14 +488,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

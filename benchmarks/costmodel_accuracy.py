@@ -42,9 +42,7 @@ percentage error and Spearman's rank correlation (targets: MAPE <= 15%, Spearman
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ from costmodel import PRESETS, ClusterSpec, ModelConfig, ModelProfile, Plan
 from costmodel.estimate import CostModel
 from costmodel.jsonio import read_json, write_json
 from costmodel.table import format_table
+from runtime.elastic.launch import run_local_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 MAPE_TARGET, SPEARMAN_TARGET = 0.15, 0.8
@@ -162,44 +161,13 @@ class WorkerFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, args: list[str], timeout: float) -> None:
-    """Run this file as the worker on `nproc` local processes (loopback only); kill them on timeout."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(Path(__file__).resolve()),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(TRAIN_THREADS))
-    if sys.platform.startswith("linux"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    """Run this file as the worker on `nproc` local processes (loopback only)."""
+    code, out = run_local_torchrun(
+        nproc, [str(Path(__file__).resolve()), *args], timeout_s=timeout, threads=TRAIN_THREADS, cwd=str(REPO)
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out = b"timed out"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-    if proc.returncode != 0:
-        text = out.decode(errors="replace")[-3000:]
-        raise WorkerFailed(f"a torchrun worker failed (exit {proc.returncode}):\n{text}")
+    if code != 0:
+        raise WorkerFailed(f"a torchrun worker failed (exit {code}):\n{out[-3000:]}")
 
 
 # ---- the worker (runs under torchrun) -----------------------------------------------------------

@@ -23,9 +23,7 @@ holders must together send at least 2(n-1) copies of it. Target: measured / mini
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ import numpy as np
 from costmodel import PRESETS, ModelConfig, Plan
 from costmodel.layout import device_pieces
 from costmodel.table import format_table
+from runtime.elastic.launch import run_local_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,40 +140,12 @@ def minimum_sync_bytes(plan: Plan) -> float:
 
 
 # ---- launching ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, args: list[str], timeout: float) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(Path(__file__).resolve()),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if sys.platform.startswith("linux"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-    if proc.returncode != 0:
-        raise SystemExit(f"runtime_bench: a torchrun worker failed (exit {proc.returncode}):\n{out[-3000:]}")
+    """Run this file as the worker on `nproc` local processes (loopback only)."""
+    script = str(Path(__file__).resolve())
+    code, out = run_local_torchrun(nproc, [script, *args], timeout_s=timeout, cwd=str(REPO))
+    if code != 0:
+        raise SystemExit(f"runtime_bench: a torchrun worker failed (exit {code}):\n{out[-3000:]}")
 
 
 # ---- workers (run under torchrun) ---------------------------------------------------------------

@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import time
 import zlib
 from pathlib import Path
@@ -119,12 +118,6 @@ def save_in_process(directory, plan: Plan, step: int, salt: int, **options) -> N
 
 
 # ---- processes ----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_processes(
     target, args_per_rank: list[tuple], *, context: str = "spawn", timeout: float = 120.0
 ) -> list:

@@ -10,13 +10,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from runtime.elastic.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve()
@@ -35,12 +36,6 @@ class Launch:
     wall_s: float
     ended_at: float  # wall clock (time.time()) when the command had exited
     stragglers: bool  # processes of its group outlived it and had to be killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:

@@ -14,7 +14,6 @@ import torch
 from checkpoint_support import (
     TINY,
     expected,
-    free_port,
     gloo_reshard_worker,
     random_plan,
     run_processes,
@@ -24,6 +23,7 @@ from checkpoint_support import (
 from costmodel import PRESETS, Pipeline, Plan, Stage
 from runtime.checkpoint import CheckpointReader, load_checkpoint, wanted_for
 from runtime.checkpoint.assign import assign_writers, holdings
+from runtime.elastic.launch import free_port
 
 PAIRS = 60
 KINDS_FP32 = {"": 4, "optim.exp_avg.": 4, "optim.exp_avg_sq.": 4}

@@ -1,4 +1,5 @@
-"""`elastor run --cluster 4,4 ...` on one machine: one supervisor process per simulated node.
+"""Launching on one machine: `elastor run --cluster 4,4 ...` (one supervisor process per simulated
+node), and plain local torchrun jobs for benchmarks.
 
 Each supervisor is exactly what a node of a real cluster runs (`elastor run --node NAME --nodes ...
 --rdzv-endpoint HOST:PORT`), given its node's GPUs; here they all rendezvous on loopback and their
@@ -20,6 +21,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_local_torchrun(
+    nproc: int, target: list[str], *, timeout_s: float, threads: int = 1, cwd: str | None = None
+) -> tuple[int, str]:
+    """Run `target` (a script and its arguments) under torchrun on `nproc` local processes, rendezvous
+    on loopback and gloo's sockets on the loopback interface, `threads` torch threads each; the
+    whole process group is killed if it outlives `timeout_s`. Returns (exit code, stdout + stderr)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *target,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        out = f"timed out after {timeout_s:.0f} s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
 
 
 def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
