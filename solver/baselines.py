@@ -14,6 +14,7 @@ pow2-greedy  the Elastor paper's released heuristic: on every node, power-of-two
 node-drop    (in solver/__init__.py) Elastor's own search on the fully healthy nodes only.
 """
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -163,13 +164,9 @@ def balanced_split(
     times = np.unique(np.concatenate([arrays[t][0][np.triu_indices(num_layers + 1, 1)] for t in set(tps)]))
     if cover(times[-1]) is None:
         return None
-    lo, hi = 0, len(times) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cover(times[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = bisect.bisect_left(
+        range(len(times)), True, hi=len(times) - 1, key=lambda i: cover(times[i]) is not None
+    )
     return cover(times[lo])
 
 

@@ -126,13 +126,10 @@ class Splitter:
                 out.append(c)
             return out if sum(out) >= self.n else None
 
-        lo, hi = 0, len(times) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if caps(times[mid]) is None:
-                lo = mid + 1
-            else:
-                hi = mid
+        # The smallest threshold whose caps cover the blocks (the largest always does).
+        lo = bisect.bisect_left(
+            range(len(times)), True, hi=len(times) - 1, key=lambda i: caps(times[i]) is not None
+        )
         first = self._fill(tps, runs, kinds, caps(times[lo]))
         least = self._fill(tps, runs, kinds, caps(times[-1]))  # the smallest A at any M
         found = [first]
