@@ -13,8 +13,11 @@ whole-cluster solver could at least reach, up to two effects this sum ignores:
 - batch split: with a slice slower than the others, the global batch must be split in proportion to
   the slices' throughputs; the sum assumes a slice's throughput does not depend on its share, true
   when every pipeline runs many micro-batches (the 1F1B bubble is then small).
-Failed and partial nodes go to the first slices (all into one while they fit), so that one slice
-absorbs the damage and the healthy slices share one plan.
+Damaged nodes (dead or partial) are dealt to the slices in turn, worst first, as failures at random
+nodes of a fixed partition would fall: the slices stay alike, which keeps the batch-split effect
+small, and each holds only a few damaged nodes, so few distinct slice plans serve a whole month (on
+16,384 GPUs with the Llama 3 failure mix, 7 slice plans against 66 with the damage gathered into one
+slice).
 """
 
 from collections import defaultdict
@@ -32,13 +35,16 @@ class SlicedOracle:
         self.per_slice = num_nodes // slices
 
     def slice_signatures(self, sig: Signature) -> list[Signature]:
+        """Each slice's healthy set: the damaged nodes, worst first, dealt in turn (module docstring)."""
         counts = expand(sig)
-        damaged = [c for c in counts if c < self.gpus_per_node]
-        dead = self.num_nodes - len(counts)
-        full = len(counts) - len(damaged)
-        members = damaged + [0] * dead + [self.gpus_per_node] * full
-        n = self.per_slice
-        return [signature(members[i * n : (i + 1) * n]) for i in range(self.slices)]
+        if len(counts) > self.num_nodes:
+            raise ElastorError(f"Signature {sig} has more nodes than the cluster's {self.num_nodes}.")
+        damaged = [0] * (self.num_nodes - len(counts)) + sorted(c for c in counts if c < self.gpus_per_node)
+        out = []
+        for i in range(self.slices):
+            mine = damaged[i :: self.slices]
+            out.append(signature(mine + [self.gpus_per_node] * (self.per_slice - len(mine))))
+        return out
 
     def __call__(self, sig: Signature) -> PlanPoint | None:
         parts = [(s, self.slice_oracle(s) if s else None) for s in self.slice_signatures(sig)]

@@ -43,6 +43,7 @@ node-drop (Elastor's search on the fully healthy nodes) and pow2-greedy.
 """
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 
@@ -53,9 +54,11 @@ from costmodel.profile import ModelProfile
 from solver import baselines
 from solver.core import Limits, Outcome, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
+from solver.memo import IdentityMemo
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
+_DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
 
 def solve(
@@ -126,7 +129,11 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
     found = [family(profile, cluster, gbs, sizes) for family in (baselines.uniform, baselines.pow2_greedy)]
     whole = fully_healthy(cluster)
     if whole is not None and len(whole.nodes) < len(capacities):
-        dropped = _elastor(profile, whole, gbs, sizes, time_limit_s, limits)
+        # Clusters that differ only in their partial nodes drop to the same one: solve it once.
+        key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits)
+        dropped = _DROPPED.get(
+            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits)
+        )
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
     seeds = [f for f in found if f and f[0] < outcome.objective_s * (1 - 1e-12)]
     if not seeds:

@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ from costmodel.cluster import parse_device
 from costmodel.estimate import CostModel, StageCost, steady_period_s
 from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
+from solver.memo import IdentityMemo
 from solver.placement import place
-from solver.skeletons import block_uniform, generate_skeletal
+from solver.skeletons import LEFTOVER_RUNS, block_uniform, generate_skeletal
 from solver.stages import StageTable, stage_table
 from solver.templates import Template, fewest_gpus, generate, prune
 
@@ -35,6 +37,9 @@ from solver.templates import Template, fewest_gpus, generate, prune
 # beyond it, the searched family is bounded (Limits) and the plan says so ("complete": false).
 EXACT_GPUS = 8
 EXACT_LAYERS = 12
+
+# Skeletal templates, across searches (solver.memo), by stage tables, layers, node classes and scope.
+_SKELETAL: IdentityMemo[list[Template]] = IdentityMemo(limit=32)
 
 
 @dataclass(frozen=True)
@@ -144,10 +149,8 @@ def candidates(
     L = profile.model.num_layers
     found = list(seeded)
     if limits.skeletal and block_uniform(profile):
-        # Runs enough for twice the smallest pipeline, at least two.
-        smallest = fewest_gpus(tables, L, sum(capacities))
-        runs = max(2, math.ceil(2 * smallest / max(capacities)))
-        found += generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs)
+        # pruned before the seeds join: pruning the whole again gives the same templates
+        found += skeletal_templates(tables, L, capacities, single_node)
     else:
         found += generate(
             tables,
@@ -160,6 +163,31 @@ def candidates(
             time_bound_s=incumbent,
         )
     return prune(found)
+
+
+def skeletal_templates(
+    tables: dict[int, StageTable], num_layers: int, capacities: Sequence[int], single_node: bool
+) -> list[Template]:
+    """The skeleton family's templates (pruned), with runs enough for twice the smallest pipeline
+    (at least two). A skeleton of R runs packs onto any R nodes, so only the node classes and up to R
+    nodes of each matter: clusters that differ beyond that share the templates (`_SKELETAL`)."""
+    smallest = fewest_gpus(tables, num_layers, sum(capacities))
+    runs = max(2, math.ceil(2 * smallest / max(capacities)))
+    most = max(runs, LEFTOVER_RUNS)
+    classes = tuple(
+        c for c, n in sorted(Counter(capacities).items(), reverse=True) for _ in range(min(n, most))
+    )
+    ordered = tuple(tables[t] for t in sorted(tables))
+    key = (num_layers, classes, single_node, runs)
+    return list(
+        _SKELETAL.get(
+            ordered,
+            key,
+            lambda: prune(
+                generate_skeletal(tables, num_layers, classes, single_node=single_node, max_runs=runs)
+            ),
+        )
+    )
 
 
 def work_bound(tables: dict[int, StageTable], num_layers: int, num_microbatches: int, gpus: int) -> float:

@@ -97,33 +97,59 @@ def overhead_s(pipes: Sequence[Template], sync: Callable[[int, int], float]) -> 
 
 class Packing:
     """Runs placed on nodes so far, largest first onto the fullest node that takes each (best fit):
-    a quick feasible packing (the CP-SAT model packs exactly). Nodes are kept by free GPUs."""
+    a quick feasible packing (the CP-SAT model packs exactly). Nodes with equal free GPUs are
+    interchangeable, so the state is a count of nodes per free-GPU value, and the placements a chain
+    that `placed` replays onto node indices only when asked."""
 
     def __init__(self, capacities: Sequence[int]):
-        self.by_free: dict[int, list[int]] = {}
-        for i, c in enumerate(capacities):
-            self.by_free.setdefault(c, []).append(i)
-        self.placed: list[list[int]] = [[] for _ in capacities]
+        self.capacities = tuple(capacities)
+        self.free = Counter(self.capacities)
+        self.chain: tuple | None = None  # (free GPUs, run, runs per node, nodes, earlier chain)
 
     def add(self, runs: Sequence[int]) -> "Packing | None":
-        """A new packing with `runs` added, or None if they do not fit."""
+        """A new packing with `runs` added, or None if they do not fit.
+
+        Runs of one size go in bulk: the fullest node that takes one takes as many as it can (best fit
+        puts the next on the same node while it has room), and nodes of equal free GPUs alike.
+        """
+        free, chain = self.free.copy(), self.chain
+        for run, left in sorted(Counter(runs).items(), reverse=True):
+            while left:
+                room = min((f for f, n in free.items() if n and f >= run), default=None)
+                if room is None:
+                    return None
+                per_node = min(left, room // run)
+                nodes = min(free[room], left // per_node)
+                free[room] -= nodes
+                free[room - per_node * run] += nodes
+                left -= nodes * per_node
+                chain = (room, run, per_node, nodes, chain)
         new = Packing.__new__(Packing)
-        new.by_free = {f: list(nodes) for f, nodes in self.by_free.items() if nodes}
-        new.placed = [list(p) for p in self.placed]
-        for r in sorted(runs, reverse=True):
-            room = min((f for f in new.by_free if f >= r and new.by_free[f]), default=None)
-            if room is None:
-                return None
-            node = new.by_free[room].pop()
-            new.placed[node].append(r)
-            new.by_free.setdefault(room - r, []).append(node)
+        new.capacities, new.free, new.chain = self.capacities, free, chain
         return new
+
+    def placed(self) -> list[list[int]]:
+        """Runs per node, nodes in the order of the capacities given."""
+        steps, chain = [], self.chain
+        while chain is not None:
+            *step, chain = chain
+            steps.append(step)
+        by_free: dict[int, list[int]] = {}
+        for i, c in enumerate(self.capacities):
+            by_free.setdefault(c, []).append(i)
+        placed: list[list[int]] = [[] for _ in self.capacities]
+        for room, run, per_node, nodes in reversed(steps):
+            for _ in range(nodes):
+                node = by_free[room].pop()
+                placed[node] += [run] * per_node
+                by_free.setdefault(room - per_node * run, []).append(node)
+        return placed
 
 
 def pack_best_fit(runs: Sequence[int], capacities: Sequence[int]) -> list[list[int]] | None:
     """Runs per node, or None (module `Packing`)."""
     packing = Packing(capacities).add(runs)
-    return None if packing is None else packing.placed
+    return None if packing is None else packing.placed()
 
 
 def lower_bound(templates: Sequence[Template], capacities: Sequence[int], num_microbatches: int) -> float:
@@ -192,6 +218,7 @@ class Master:
         self.scale: _Scale | None = None  # set_scale: solve_master sets it from the incumbent
         self.units = np.zeros((len(ts), 0), dtype=np.int64)
         self.patterns = [] if single_node else self._patterns()
+        self._packed: dict[tuple[int, ...], bool] = {}  # _packs, by runs largest first
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
@@ -330,10 +357,12 @@ class Master:
         )
 
     def _packs(self, pipes: Sequence[Template]) -> bool:
-        runs = [r for t in pipes for r in t.run_sizes]
+        runs = tuple(sorted((r for t in pipes for r in t.run_sizes), reverse=True))
         if self.single_node:
             return sum(runs) <= max(self.capacities)
-        return pack_best_fit(runs, self.capacities) is not None
+        if runs not in self._packed:  # templates share footprints: pack each multiset once
+            self._packed[runs] = Packing(self.capacities).add(runs) is not None
+        return self._packed[runs]
 
     def _coverage_bound(self, k: np.ndarray, live: list[int], cap: float) -> float:
         """At most this many micro-batches fit within tau and overhead cap. A plan of P pipelines uses

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodel.estimate import CostModel, StageCost
+from solver.memo import IdentityMemo
 
 # Tables already built, for the searches of one solve (the main one, the node-drop seed, the
-# baselines): keyed by the profile's identity (the entry keeps it alive), the device and links.
-_BUILT: dict[tuple, tuple[object, "StageTable"]] = {}
-_BUILT_LIMIT = 256
+# baselines) and of solves alike: keyed by the profile's identity, the device and the links.
+_BUILT: IdentityMemo["StageTable"] = IdentityMemo(limit=256)
 NO_FIT = -1  # `max_in_flight` of a stage that does not fit even without activations
 UNBOUNDED = 1 << 40  # `max_in_flight` of a stage that keeps no activations
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the tables are shared
 class StageTable:
     """Every stage [s, e) of the layer list at one TP degree and micro-batch size (lists of lists).
 
@@ -86,15 +86,8 @@ def stage_table(cm: CostModel, tp: int, mbs: int) -> StageTable:
     """The table of one TP degree and micro-batch size; it depends on the profile, the device and
     the links, not on the nodes, so clusters that differ only in their nodes share it."""
     cluster = cm.cluster.to_json()
-    key = (id(cm.profile), json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs)
-    hit = _BUILT.get(key)
-    if hit is not None and hit[0] is cm.profile:
-        return hit[1]
-    if len(_BUILT) >= _BUILT_LIMIT:
-        _BUILT.clear()
-    table = _build(cm, tp, mbs)
-    _BUILT[key] = (cm.profile, table)
-    return table
+    key = (json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs)
+    return _BUILT.get((cm.profile,), key, lambda: _build(cm, tp, mbs))
 
 
 def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:

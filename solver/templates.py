@@ -48,7 +48,10 @@ from itertools import pairwise
 
 import numpy as np
 
+from solver.memo import IdentityMemo
 from solver.stages import StageTable
+
+_FEWEST: IdentityMemo[int] = IdentityMemo(limit=256)  # fewest_gpus, by stage tables (solver.memo)
 
 
 @dataclass(frozen=True)
@@ -251,10 +254,13 @@ def prune(templates: list[Template]) -> list[Template]:
 
 
 def fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> int:
-    """The fewest GPUs of any pipeline whose stages fit in memory (limit + 1 if more than limit).
+    """The fewest GPUs of any pipeline whose stages fit in memory (limit + 1 if more than limit)."""
+    ordered = tuple(tables[t] for t in sorted(tables))
+    return _FEWEST.get(ordered, (num_layers, limit), lambda: _fewest_gpus(tables, num_layers, limit))
 
-    From the back, stage count by stage count: the fewest GPUs covering layers [l, L) with k stages.
-    """
+
+def _fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> int:
+    """From the back, stage count by stage count: the fewest GPUs covering layers [l, L) with k stages."""
     L, best = num_layers, limit + 1
     reach = {L: 0}
     for k in range(1, min(limit, L) + 1):

@@ -174,7 +174,7 @@ def test_costs_from_a_file_and_defaults_for_a_model():
         costs.updated({"restart": 45}, "m.json")
 
 
-def test_slices_add_up_and_keep_the_damage_in_one_slice():
+def test_slices_add_up_and_share_the_damage_worst_first():
     from goodput.slices import SlicedOracle
 
     asked = []
@@ -187,13 +187,20 @@ def test_slices_add_up_and_keep_the_damage_in_one_slice():
     sliced = SlicedOracle(slice_oracle, num_nodes=8, gpus_per_node=8, slices=2)
     healthy = sliced(((8, 8),))
     assert healthy.samples_per_s == 640 and healthy.num_pipelines == 2 and healthy.status == "SLICED"
-    # One node at 7 GPUs and one dead: both in the first slice, which keeps two full nodes.
+    # One node dead and one at 7 GPUs: the dead one to the first slice, the partial one to the second.
     damaged = sliced(((8, 6), (7, 1)))
-    assert sliced.slice_signatures(((8, 6), (7, 1))) == [((8, 2), (7, 1)), ((8, 4),)]
-    assert damaged.samples_per_s == 10 * (23 + 32)
-    # Usage in the whole signature's order: six 8-GPU nodes, then the 7-GPU node (the first slice's
-    # last node, which its plan uses one GPU less of).
-    assert damaged.used_per_node == (8, 8, 8, 8, 8, 7, 6)
-    assert set(asked) == {((8, 4),), ((8, 2), (7, 1))}
+    assert sliced.slice_signatures(((8, 6), (7, 1))) == [((8, 3),), ((8, 3), (7, 1))]
+    assert damaged.samples_per_s == 10 * (24 + 31)
+    # Usage in the whole signature's order, per healthy count: the first slice's three 8-GPU nodes
+    # (its last one a GPU short), the second's, then the 7-GPU node (the second slice's last).
+    assert damaged.used_per_node == (8, 8, 7, 8, 8, 8, 6)
+    assert set(asked) == {((8, 4),), ((8, 3),), ((8, 3), (7, 1))}
+    # Dealt in turn, worst first: dead, 5, 7, 7 -> (dead, 7) and (5, 7).
+    assert sliced.slice_signatures(((8, 4), (7, 2), (5, 1))) == [
+        ((8, 2), (7, 1)),
+        ((8, 2), (7, 1), (5, 1)),
+    ]
+    with pytest.raises(ElastorError, match="more nodes"):
+        sliced.slice_signatures(((8, 9),))
     with pytest.raises(ElastorError, match="does not divide"):
         SlicedOracle(slice_oracle, num_nodes=8, gpus_per_node=8, slices=3)
