@@ -7,16 +7,16 @@ For each size it runs, as a user would, in a fresh interpreter:
     elastor profile --model llama3-70b --analytic --device-kind H100-80GB --seq-len 4096 \
         --micro-batch-size 1 --out P
     elastor simulate --profile P --cluster {nodes}x8 --global-batch-size B --days D --runs R \
-        [--slices 8] --plan-cache benchmarks/results/goodput-plans.json
+        --plan-cache C
 with 2M tokens per step per 2,048 GPUs (B = 512 and 4,096 sequences of 4,096 tokens; Llama 3 405B
 trained with 16M-token batches on 16,384 GPUs) in micro-batches of one sequence (more micro-batch
-sizes multiply the solver's work). 16,384 GPUs are planned as 8 slices of 2,048
-(`goodput/slices.py`): one whole-cluster plan takes the solver tens of minutes at that size, so the
-slices are the 2,048-GPU problems themselves and share their plans through the plan cache.
+sizes multiply the solver's work). 16,384 GPUs are planned as 8 slices of 2,048 (`--slices auto`,
+`goodput/slices.py`): one whole-cluster plan takes the solver tens of minutes at that size.
 
-It records the wall time of each `elastor simulate` (solver calls included; a second pass finds every
-plan in the cache and times the simulation alone), the goodput of every policy with its 95% CI and
-the lost work by cause. Prints a table and writes benchmarks/results/goodput.json.
+Each size starts from an empty plan cache C of its own: the first run's wall time includes every
+solver call; a second run finds every plan in C and times the simulation alone. Records the goodput
+of every policy with its 95% CI and the lost work by cause. Prints a table and writes
+benchmarks/results/goodput.json.
 """
 
 import argparse
@@ -40,7 +40,6 @@ PROFILE_ARGS = [
     "--micro-batch-size", "1",
 ]  # fmt: skip
 SEQUENCES_PER_2048_GPUS = 512  # of 4,096 tokens: 2M tokens per step per 2,048 GPUs
-SLICE_GPUS = 2048  # larger clusters are planned as slices of this size
 
 
 def elastor(*args: str) -> subprocess.CompletedProcess:
@@ -54,38 +53,46 @@ def main() -> None:
     parser.add_argument("--sizes", default="2048,16384", help="GPUs, 8 per node (default: %(default)s)")
     parser.add_argument("--days", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--plan-cache", default=str(REPO / "benchmarks" / "results" / "goodput-plans.json"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "goodput.json"))
     args = parser.parse_args()
 
     results = {"cpus": os.cpu_count(), "days": args.days, "runs": args.runs, "sizes": []}
-    rows = [("GPUs", "policy", "goodput %", "recompute %", "restart %", "wait %", "degraded %", "warm s")]
+    rows = [
+        (
+            "GPUs",
+            "policy",
+            "goodput %",
+            "recompute %",
+            "restart %",
+            "wait %",
+            "degraded %",
+            "cold s",
+            "warm s",
+        )
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         profile = str(Path(tmp) / "llama3-70b-h100.json")
         done = elastor("profile", *PROFILE_ARGS, "--out", profile)
         if done.returncode:
             sys.exit(done.stderr)
         for gpus in (int(n) for n in args.sizes.split(",")):
-            nodes, out_dir = gpus // 8, Path(tmp) / f"sim-{gpus}"
-            command = [
-                "simulate", "--profile", profile, "--cluster", f"{nodes}x8",
+            nodes, out_dir, cache = gpus // 8, Path(tmp) / f"sim-{gpus}", Path(tmp) / f"plans-{gpus}.json"
+            shown = [
+                "simulate", "--profile", "p70.json", "--cluster", f"{nodes}x8",
                 "--global-batch-size", str(SEQUENCES_PER_2048_GPUS * gpus // 2048),
                 "--days", f"{args.days:g}", "--runs", str(args.runs),
-                *(["--slices", str(gpus // SLICE_GPUS)] if gpus > SLICE_GPUS else []),
-                "--plan-cache", args.plan_cache, "--out-dir", str(out_dir), "--quiet",
             ]  # fmt: skip
+            extra = ["--plan-cache", str(cache), "--out-dir", str(out_dir), "--quiet"]
+            command = [profile if a == "p70.json" else a for a in shown] + extra
             walls = []
-            for _ in range(2):  # cold (solving what the cache lacks), then warm (the simulation alone)
+            for _ in range(2):  # cold (every solver call), then warm (the simulation alone)
                 started = time.perf_counter()
                 done = elastor(*command)
                 walls.append(time.perf_counter() - started)
                 if done.returncode:
                     sys.exit(done.stderr)
-            wall_s = walls[-1]
             print(done.stdout)
             summary = pd.read_csv(out_dir / "summary.csv")
-            names = {profile: "p70.json", args.plan_cache: os.path.relpath(args.plan_cache, REPO)}
-            shown = [names.get(a, a) for a in command[:-3]]
             results["sizes"].append(
                 {
                     "gpus": gpus,
@@ -106,7 +113,8 @@ def main() -> None:
                         f"{100 * s['lost_restart']:.2f}",
                         f"{100 * s['lost_wait']:.2f}",
                         f"{100 * s['lost_degraded']:.2f}",
-                        f"{wall_s:.1f}",
+                        f"{walls[0]:.1f}",
+                        f"{walls[1]:.1f}",
                     )
                 )
     print(format_table(rows))

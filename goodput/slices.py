@@ -21,9 +21,24 @@ slice).
 """
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from costmodel import ElastorError
 from goodput.plans import Oracle, PlanPoint, Signature, expand, signature
+
+SLICE_GPUS = 2048  # the largest slice `auto_slices` makes: the solver plans it in about a second
+
+
+def auto_slices(gpus_per_node: Sequence[int], global_batch_size: int) -> int:
+    """`--slices auto`: the fewest slices of at most SLICE_GPUS GPUs that split the nodes and the batch
+    evenly; 1 (the whole cluster) when it is no larger, has unequal nodes or admits no such split."""
+    nodes = len(gpus_per_node)
+    if sum(gpus_per_node) <= SLICE_GPUS or len(set(gpus_per_node)) != 1:
+        return 1
+    for k in range(2, nodes + 1):
+        if nodes % k == 0 and global_batch_size % k == 0 and nodes // k * gpus_per_node[0] <= SLICE_GPUS:
+            return k
+    return 1
 
 
 class SlicedOracle:

@@ -122,3 +122,25 @@ def test_slices_plan_each_slice_for_its_share_of_the_batch(monkeypatch, profile_
     assert set(batches) == {4}
     assert main([*args, "--slices", "3"]) == 2
     assert "needs nodes with equal GPU counts and a global batch it divides" in capsys.readouterr().err
+
+
+def test_auto_slices_are_the_fewest_of_at_most_2048_gpus_that_split_evenly():
+    from goodput.slices import auto_slices
+
+    assert auto_slices([8] * 256, 512) == 1  # small enough to plan whole
+    assert auto_slices([8] * 2048, 4096) == 8
+    assert auto_slices([8] * 2000, 4100) == 10  # 8 slices of 250 nodes fit, but 8 does not divide the batch
+    assert auto_slices([8] * 257, 512) == 1  # 257 nodes are prime: no even split
+    assert auto_slices([8] * 300 + [4], 600) == 1  # unequal nodes
+
+
+def test_slices_default_to_auto(monkeypatch, profile_path, capsys):
+    monkeypatch.setattr(solver, "solve", fake_solve, raising=False)
+    args = ["simulate", "--profile", profile_path, "--global-batch-size", "8", "--quiet"]
+    args += ["--failures", "none", "--ckpt-interval", "3600", "--days", "0.5", "--runs", "1"]
+    assert main([*args, "--cluster", "512x8"]) == 0
+    assert "(2 pipelines, planned as 2 slices)" in capsys.readouterr().out
+    assert main([*args, "--cluster", "257x8"]) == 0
+    assert "planning all 2,056 GPUs as one cluster" in capsys.readouterr().err
+    assert main([*args, "--cluster", "4x8", "--slices", "two"]) == 2
+    assert '--slices takes "auto" or a positive whole number' in capsys.readouterr().err

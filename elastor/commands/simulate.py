@@ -6,6 +6,7 @@ built, so `elastor --help` and the other subcommands start fast.
 
 import argparse
 import re
+import sys
 import time
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
@@ -75,10 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--solver-time-limit", type=float, help="seconds per solver call (default: the solver's)")
     p.add_argument(
         "--slices",
-        type=int,
-        default=1,
+        default="auto",
         help="plan the cluster as this many equal slices, each with its share of the batch, and add "
-        "their throughputs: an approximation for clusters too large to solve whole (default: %(default)s)",
+        "their throughputs: an approximation for clusters too large to solve whole; 1 plans it whole; "
+        '"auto": slices of at most 2,048 GPUs when the nodes and the batch split evenly '
+        "(default: %(default)s)",
     )
     p.add_argument("--out-dir", help="write CSV files and plots here")
     p.add_argument(
@@ -133,6 +135,24 @@ def failure_model(args: argparse.Namespace):
     return FailureModel.from_json({**data, **overrides, "source": args.failures})
 
 
+def parse_slices(text: str, cluster: ClusterSpec, global_batch_size: int) -> int:
+    from goodput.slices import SLICE_GPUS, auto_slices
+
+    if text != "auto":
+        if not text.isdigit() or int(text) < 1:
+            raise ElastorError(f'--slices takes "auto" or a positive whole number, not {text!r}.')
+        return int(text)
+    counts = [len(n.gpus) for n in cluster.nodes]
+    slices = auto_slices(counts, global_batch_size)
+    if slices == 1 and sum(counts) > SLICE_GPUS:
+        print(
+            f"note: planning all {sum(counts):,} GPUs as one cluster (no even split into slices of at "
+            f"most {SLICE_GPUS:,} GPUs); each plan may take the solver minutes.",
+            file=sys.stderr,
+        )
+    return slices
+
+
 def check_flags(args: argparse.Namespace) -> None:
     if args.global_batch_size < 1 or args.runs < 1:
         raise ElastorError("--global-batch-size and --runs must be at least 1.")
@@ -152,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
     cluster = parse_cluster(args.cluster, profile.device_kind)
     nodes = len(cluster.nodes)
+    slices = parse_slices(args.slices, cluster, args.global_batch_size)
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
     failures = failure_model(args)
     study = build_study(
@@ -164,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         plan_cache=args.plan_cache,
         solver_time_limit_s=args.solver_time_limit,
-        slices=args.slices,
+        slices=slices,
     )
     young, daly = study.young_daly()
     sweep = None
@@ -187,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     c = study.costs
-    sliced = f", planned as {args.slices} slices" if args.slices > 1 else ""
+    sliced = f", planned as {slices} slices" if slices > 1 else ""
     print(
         f"{profile.model.name} on {study.num_gpus:,} {cluster.device.kind} GPUs ({nodes:,} nodes), "
         f"global batch {args.global_batch_size}, {args.days:g} days x {args.runs} runs\n"
