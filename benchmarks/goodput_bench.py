@@ -84,14 +84,15 @@ def main() -> None:
             ]  # fmt: skip
             extra = ["--plan-cache", str(cache), "--out-dir", str(out_dir), "--quiet"]
             command = [profile if a == "p70.json" else a for a in shown] + extra
-            walls = []
+            walls, outputs = [], []
             for _ in range(2):  # cold (every solver call), then warm (the simulation alone)
                 started = time.perf_counter()
                 done = elastor(*command)
                 walls.append(time.perf_counter() - started)
                 if done.returncode:
                     sys.exit(done.stderr)
-            print(done.stdout)
+                outputs.append(done.stdout)
+            print(outputs[0])
             summary = pd.read_csv(out_dir / "summary.csv")
             results["sizes"].append(
                 {
@@ -99,7 +100,8 @@ def main() -> None:
                     "command": "elastor " + " ".join(shown),
                     "simulate_cold_s": round(walls[0], 2),
                     "simulate_warm_s": round(walls[1], 2),
-                    "stdout": done.stdout,
+                    "stdout_cold": outputs[0],
+                    "stdout_warm": outputs[1],
                     "summary": summary.to_dict(orient="records"),
                 }
             )

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from costmodel import ElastorError
 from goodput.plans import Oracle, PlanPoint, Signature, expand, signature
 
-SLICE_GPUS = 2048  # the largest slice `auto_slices` makes: the solver plans it in about a second
+SLICE_GPUS = 2048  # the largest slice `auto_slices` makes (llama3-70b: about a second per plan)
 
 
 def auto_slices(gpus_per_node: Sequence[int], global_batch_size: int) -> int:

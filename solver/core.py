@@ -169,8 +169,9 @@ def skeletal_templates(
     tables: dict[int, StageTable], num_layers: int, capacities: Sequence[int], single_node: bool
 ) -> list[Template]:
     """The skeleton family's templates (pruned), with runs enough for twice the smallest pipeline
-    (at least two). A skeleton of R runs packs onto any R nodes, so only the node classes and up to R
-    nodes of each matter: clusters that differ beyond that share the templates (`_SKELETAL`)."""
+    (at least two). A skeleton of R runs uses at most R nodes, so whether it fits depends only on the
+    node classes and up to R nodes of each: clusters that differ beyond that share the templates
+    (`_SKELETAL`)."""
     smallest = fewest_gpus(tables, num_layers, sum(capacities))
     runs = max(2, math.ceil(2 * smallest / max(capacities)))
     most = max(runs, LEFTOVER_RUNS)

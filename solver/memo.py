@@ -28,9 +28,9 @@ class IdentityMemo(Generic[Value]):
         hit = self._entries.get(full)
         if hit is not None:
             return hit[1]
+        value = build()
         if len(self._entries) >= self.limit:
             self._entries.clear()
-        value = build()
         self._entries[full] = (objects, value)
         return value
 

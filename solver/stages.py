@@ -29,7 +29,7 @@ NO_FIT = -1  # `max_in_flight` of a stage that does not fit even without activat
 UNBOUNDED = 1 << 40  # `max_in_flight` of a stage that keeps no activations
 
 
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the tables are shared
+@dataclass(frozen=True)
 class StageTable:
     """Every stage [s, e) of the layer list at one TP degree and micro-batch size (lists of lists).
 

@@ -13,10 +13,11 @@ from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.estimate import CostModel
 from profiler.analytic import analytic_profile
 from solver.baselines import equal_split, pow2_groups
-from solver.master import balance, maximal_patterns
-from solver.skeletons import Splitter, block_uniform, compositions
+from solver.core import skeletal_templates
+from solver.master import Packing, balance, maximal_patterns
+from solver.skeletons import Splitter, block_uniform, compositions, generate_skeletal
 from solver.stages import NO_FIT, stage_table
-from solver.templates import Packer, Template, lower_envelope
+from solver.templates import Packer, Template, fewest_gpus, lower_envelope, prune
 from solver.whatif import failure_order, parse_range
 
 TINY = PRESETS["gpt-tiny"]
@@ -128,6 +129,51 @@ def p70():
         tp_degrees=[1, 2, 4, 8],
         seq_len=4096,
     )
+
+
+def _best_fit_one_at_a_time(batches, capacities):
+    """Reference best fit: each run, largest first per batch, onto the node with the fewest free GPUs
+    that takes it (of equal ones the last listed), one run at a time."""
+    by_free: dict[int, list[int]] = {}
+    for i, c in enumerate(capacities):
+        by_free.setdefault(c, []).append(i)
+    placed = [[] for _ in capacities]
+    for runs in batches:
+        for r in sorted(runs, reverse=True):
+            room = min((f for f, nodes in by_free.items() if nodes and f >= r), default=None)
+            if room is None:
+                return None
+            node = by_free[room].pop()
+            placed[node].append(r)
+            by_free.setdefault(room - r, []).append(node)
+    return placed
+
+
+def test_best_fit_packing_in_bulk_places_runs_as_one_at_a_time():
+    rng = random.Random(11)
+    for _ in range(2000):
+        capacities = [rng.choice([8, 8, 8, 7, 6, 4]) for _ in range(rng.randint(1, 10))]
+        batches = [[rng.choice([1, 2, 2, 4, 4, 8]) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+        packing = Packing(capacities)
+        for done in range(1, 4):
+            packing = packing and packing.add(batches[done - 1])
+            expected = _best_fit_one_at_a_time(batches[:done], capacities)
+            assert (packing.placed() if packing else None) == expected, (capacities, batches[:done])
+
+
+def test_skeletal_templates_depend_on_few_nodes_of_each_class(p70):
+    """Skeletal templates are shared by clusters that differ only in how many nodes of a class they
+    have beyond the most runs of a skeleton: they equal the family built on the whole cluster."""
+    cm = CostModel(p70, ClusterSpec.parse("8,7", p70.device_kind))
+    tables = {t: stage_table(cm, t, 1) for t in (1, 2, 4, 8)}
+    L = p70.model.num_layers
+    for capacities in ([8] * 12 + [7] * 2, [8] * 30 + [7] * 9 + [6], [7] * 20):
+        for single_node in (False, True):
+            smallest = fewest_gpus(tables, L, sum(capacities))
+            runs = max(2, -(-2 * smallest // max(capacities)))
+            whole = prune(generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs))
+            shared = skeletal_templates(tables, L, capacities, single_node)
+            assert shared == whole and (whole or single_node)  # 70B does not fit on one node
 
 
 def test_compositions_fill_the_node_in_non_increasing_degrees():

@@ -139,9 +139,13 @@ def parse_slices(text: str, cluster: ClusterSpec, global_batch_size: int) -> int
     from goodput.slices import SLICE_GPUS, auto_slices
 
     if text != "auto":
-        if not text.isdigit() or int(text) < 1:
+        try:
+            slices = int(text)
+        except ValueError:
+            slices = 0
+        if slices < 1:
             raise ElastorError(f'--slices takes "auto" or a positive whole number, not {text!r}.')
-        return int(text)
+        return slices
     counts = [len(n.gpus) for n in cluster.nodes]
     slices = auto_slices(counts, global_batch_size)
     if slices == 1 and sum(counts) > SLICE_GPUS:
