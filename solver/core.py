@@ -29,7 +29,7 @@ from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.placement import place
-from solver.skeletons import LEFTOVER_RUNS, block_uniform, generate_skeletal
+from solver.skeletons import block_uniform, generate_skeletal, most_runs
 from solver.stages import StageTable, stage_table
 from solver.templates import Template, fewest_gpus, generate, prune
 
@@ -174,7 +174,7 @@ def skeletal_templates(
     (`_SKELETAL`)."""
     smallest = fewest_gpus(tables, num_layers, sum(capacities))
     runs = max(2, math.ceil(2 * smallest / max(capacities)))
-    most = max(runs, LEFTOVER_RUNS)
+    most = most_runs(runs)
     classes = tuple(
         c for c, n in sorted(Counter(capacities).items(), reverse=True) for _ in range(min(n, most))
     )

@@ -19,8 +19,10 @@ Skeletons (the family searched): a pipeline is a sequence of node runs, each a c
 node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
 pipeline inside a node, sharing it with others), or whole-node runs of one or two kinds, each kind
 repeated, in either order, up to the runs of twice the smallest pipeline that fits (a whole-node run
-has TP groups no smaller than some degree, as many as fit: 4+2+1 or 4+2 on 7 GPUs), or up to
-LEFTOVER_RUNS partial runs holding one node's worth of GPUs in all
+has TP groups no smaller than some degree, as many as fit: 4+2+1 or 4+2 on 7 GPUs), and DEEP times
+as many runs when the kind is one TP group of a whole node (when the batch is small for the cluster,
+the best plans have few, deep pipelines: llama3-70b on 256 nodes of 8 with 512 micro-batches, 9
+nodes of TP 8 each), or up to LEFTOVER_RUNS partial runs holding one node's worth of GPUs in all
 (leftovers of several nodes joined into one pipeline), larger runs first.
 `solver.core` uses this family when the exact program would be too large and says so in the plan's
 solver block (`complete: false`).
@@ -38,6 +40,12 @@ from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
 LEFTOVER_RUNS = 4  # runs of a pipeline made of several nodes' leftover GPUs
+DEEP = 2  # pipelines of one TP group per whole node go up to this many times max_runs
+
+
+def most_runs(max_runs: int) -> int:
+    """The most node runs of any skeleton of the family bounded by `max_runs`."""
+    return max(DEEP * max_runs, LEFTOVER_RUNS)
 
 
 def block_uniform(profile: ModelProfile) -> bool:
@@ -253,7 +261,8 @@ def skeletons(
         )
     )
     for first in kinds:
-        for count in range(2, max_runs + 1):
+        deepest = DEEP * max_runs if first[0] in classes else max_runs  # a node, one TP group: deeper
+        for count in range(2, deepest + 1):
             yield from once([first] * count)
         for second in kinds:
             if second != first:

@@ -108,9 +108,12 @@ class Packer:
         return self._known[key]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # states recur across branches: deep footprints need it
 def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
     if not runs:
         return True
+    if sum(runs) > sum(free):
+        return False
     first, rest = runs[0], runs[1:]
     tried = set()
     for i, room in enumerate(free):
