@@ -6,6 +6,7 @@ policies over repeated seeds, and optionally the checkpoint-interval and failure
 recorded run per policy for the timeline; `write_outputs` saves the CSVs and the plots.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,11 @@ def build_study(
         sliced = SlicedOracle(solver_cache, len(gpus_per_node), gpus_per_node[0], slices)
         oracle = CachedOracle(sliced)
     healthy = oracle(signature(gpus_per_node))
+    if healthy is None and slices > 1:
+        raise ElastorError(
+            f"No plan fits a slice of {len(gpus_per_node) // slices} nodes with its share of the batch "
+            f"({global_batch_size // slices}); plan fewer slices (--slices) or a larger batch."
+        )
     num_pipelines = healthy.num_pipelines if healthy else 1
     costs = RecoveryCosts.defaults_for(profile.model, sum(gpus_per_node), num_pipelines)
     if costs_file:
@@ -76,15 +82,18 @@ def auto_intervals(daly_s: float, points: int = 9) -> list[float]:
     return sorted({float(round(x)) for x in np.geomspace(daly_s / 4, daly_s * 4, points)})
 
 
-def default_interval(study: Study) -> float:
-    """Daly's optimum in whole seconds, but no shorter than one save: the next save waits for it."""
-    c = study.costs
-    return float(max(round(study.young_daly()[1]), c.ckpt_stall_s + c.ckpt_background_s))
+def default_interval(study: Study) -> float | None:
+    """Daly's optimum in whole seconds, but no shorter than one save: the next save waits for it.
+    None without failures: there is nothing to recover, so no periodic checkpoints."""
+    c, daly = study.costs, study.young_daly()[1]
+    if not math.isfinite(daly):
+        return None
+    return float(max(round(daly), c.ckpt_stall_s + c.ckpt_background_s))
 
 
 @dataclass
 class Outcome:
-    interval_s: float
+    interval_s: float | None  # None: no periodic checkpoints
     runs: pd.DataFrame
     summary: pd.DataFrame
     sweep: pd.DataFrame | None = None

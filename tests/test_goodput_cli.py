@@ -8,7 +8,7 @@ import pytest
 from helpers import REPO
 
 import solver
-from costmodel import PRESETS
+from costmodel import PRESETS, ElastorError
 from costmodel.jsonio import write_json
 from elastor.cli import main
 from profiler.analytic import analytic_profile
@@ -144,3 +144,25 @@ def test_slices_default_to_auto(monkeypatch, profile_path, capsys):
     assert "planning all 2,056 GPUs as one cluster" in capsys.readouterr().err
     assert main([*args, "--cluster", "4x8", "--slices", "two"]) == 2
     assert '--slices takes "auto" or a positive whole number' in capsys.readouterr().err
+
+
+def test_without_failures_there_are_no_periodic_checkpoints(monkeypatch, profile_path, capsys):
+    monkeypatch.setattr(solver, "solve", fake_solve, raising=False)
+    args = ["simulate", "--profile", profile_path, "--cluster", "4x8", "--global-batch-size", "8"]
+    args += ["--failures", "none", "--days", "1", "--runs", "1", "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "checkpoint interval none (no failures)" in printed
+    assert "\nelastor          320.0              100.00 ± 0.00" in printed
+    assert main([*args, "--sweep-intervals", "auto"]) == 2
+    assert "--sweep-intervals auto needs failures" in capsys.readouterr().err
+
+
+def test_slices_too_small_for_any_pipeline_say_so(monkeypatch, profile_path, capsys):
+    def no_plan(*args, **kwargs):
+        raise ElastorError("No plan fits.")
+
+    monkeypatch.setattr(solver, "solve", no_plan, raising=False)
+    args = ["simulate", "--profile", profile_path, "--cluster", "512x8", "--global-batch-size", "8"]
+    assert main([*args, "--failures", "none", "--quiet"]) == 2
+    assert "No plan fits a slice of 256 nodes with its share of the batch (4)" in capsys.readouterr().err

@@ -5,6 +5,7 @@ built, so `elastor --help` and the other subcommands start fast.
 """
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -193,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
     )
     young, daly = study.young_daly()
     sweep = None
+    if args.sweep_intervals == "auto" and not math.isfinite(daly):
+        raise ElastorError(
+            "--sweep-intervals auto needs failures: without them Daly's interval is unbounded."
+        )
     if args.sweep_intervals:
         sweep = (
             auto_intervals(daly)
@@ -212,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     c = study.costs
+    interval = "none (no failures)" if outcome.interval_s is None else f"{outcome.interval_s:g} s"
     sliced = f", planned as {slices} slices" if slices > 1 else ""
     print(
         f"{profile.model.name} on {study.num_gpus:,} {cluster.device.kind} GPUs ({nodes:,} nodes), "
@@ -222,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         f"costs ({c.source}): detect {c.detect_s:g} s, plan {c.plan_s:g} s, restart {c.restart_s:g} s, "
         f"load {c.load_s:.1f} s (reshard {c.reshard_load_s:.1f} s), checkpoint stall {c.ckpt_stall_s:.2f} s "
         f"+ background {c.ckpt_background_s:.2f} s\n"
-        f"checkpoint interval {outcome.interval_s:g} s (Young {young:.0f} s, Daly {daly:.0f} s)\n"
+        f"checkpoint interval {interval} (Young {young:.0f} s, Daly {daly:.0f} s)\n"
     )
     table = loss_table(outcome.summary)
     print(format_table([list(table.columns), *table.astype(str).values.tolist()]))
