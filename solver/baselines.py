@@ -28,7 +28,7 @@ from costmodel.profile import ModelProfile
 from solver.core import sync, tp_degrees
 from solver.master import balance
 from solver.skeletons import Splitter, block_uniform
-from solver.stages import StageTable, stage_table
+from solver.stages import StageTable, exchanges_s, stage_table
 from solver.templates import fewest_gpus
 
 # A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
@@ -37,10 +37,7 @@ Placed = tuple[int, int, int, int, int]
 
 def _pipeline_time(tables: dict[int, StageTable], stages: Sequence[Placed], m: int) -> float:
     times = [tables[tp].time_s[s][e] for s, e, tp, _, _ in stages]
-    p2p = [
-        (tables[a[2]].p2p_inter_s if a[3] != b[3] else tables[a[2]].p2p_intra_s)[a[1]]
-        for a, b in pairwise(stages)
-    ]
+    p2p = exchanges_s(tables, [st[:3] for st in stages], [st[3] for st in stages])
     return sum(times) + 2 * sum(p2p) + (m - 1) * steady_period_s(times, p2p)
 
 

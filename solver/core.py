@@ -30,7 +30,7 @@ from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.placement import place
 from solver.skeletons import block_uniform, generate_skeletal, most_runs
-from solver.stages import StageTable, stage_table
+from solver.stages import StageTable, exchanges_s, stage_table
 from solver.templates import Template, fewest_gpus, generate, prune
 
 # The exact, complete template program runs when the instance is this small (tests/test_solver_*.py);
@@ -212,10 +212,7 @@ def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
     nodes = [parse_device(st.devices[0])[0] for st in pipe.stages]
     runs = tuple(itertools.accumulate((a != b for a, b in itertools.pairwise(nodes)), initial=0))
     time = [tables[tp].time_s[s][e] for s, e, tp in stages]
-    p2p = [
-        (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[e]
-        for i, (_, e, tp) in enumerate(stages[:-1])
-    ]
+    p2p = exchanges_s(tables, stages, runs)
     return Template(
         stages,
         runs,

@@ -33,6 +33,3 @@ class IdentityMemo(Generic[Value]):
             self._entries.clear()
         self._entries[full] = (objects, value)
         return value
-
-    def clear(self) -> None:
-        self._entries.clear()

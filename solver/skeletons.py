@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from costmodel.estimate import steady_period_s
 from costmodel.profile import ModelProfile
-from solver.stages import StageTable
+from solver.stages import StageTable, exchanges_s
 from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
@@ -174,12 +174,7 @@ class Splitter:
             stages.append((start, end, tps[s]))
             start = end
         time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
-        p2p = [
-            (self.tables[tps[s]].p2p_intra_s if runs[s] == runs[s + 1] else self.tables[tps[s]].p2p_inter_s)[
-                e
-            ]
-            for s, (_, e, _) in enumerate(stages[:-1])
-        ]
+        p2p = exchanges_s(self.tables, stages, runs)
         return Template(
             tuple(stages),
             tuple(runs),

@@ -15,6 +15,7 @@ The combined fields are numpy arrays indexed [s, e], wrapped in a `StageCost` so
 """
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,17 @@ class StageTable:
     p2p_intra_s: list[float]
     p2p_inter_s: list[float]
     optimizer_s: list[list[float]]
+
+
+def exchanges_s(
+    tables: dict[int, StageTable], stages: Sequence[tuple[int, int, int]], runs: Sequence[int]
+) -> list[float]:
+    """Each stage boundary's point-to-point time: stages are (start, end, tp) front to back, runs
+    their node runs (intra-node links inside a run, inter-node between runs)."""
+    return [
+        (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[end]
+        for i, (_, end, tp) in enumerate(stages[:-1])
+    ]
 
 
 def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
