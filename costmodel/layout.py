@@ -17,7 +17,9 @@ The TP ranks of one stage that replicate a parameter (the norms) already hold id
 gradients: the column-parallel layers after a norm all-reduce its output gradient. So a segment needs
 a reduction only when its holders sit in two or more stages; in that reduction, each stage's first
 holder contributes its gradient and its other TP ranks contribute zeros (`contributes`), so nothing
-is counted twice.
+is counted twice. Under sequence parallelism a stage's norms see only their rank's tokens: there
+every TP rank contributes its partial gradient, and the segment is reduced even when one stage holds
+it all.
 """
 
 from collections import defaultdict
@@ -148,7 +150,8 @@ def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
         spec = specs[name]
         for segment in segments(spec, [box for _, box in holders[name]]):
             owners = tuple(sorted((d for d, box in holders[name] if box.contains(segment)), key=rank.get))
-            if len({plan.placement(d) for d in owners}) > 1:
+            stages = {plan.placement(d) for d in owners}
+            if len(stages) > 1 or (len(owners) > 1 and _sequence_parallel(plan, owners[0])):
                 buckets[owners].append((name, segment))
     return dict(sorted(buckets.items(), key=lambda kv: [rank[d] for d in kv[0]]))
 
@@ -156,9 +159,16 @@ def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
 def contributes(plan: Plan, device: str, holders: tuple[str, ...]) -> bool:
     """Whether `device` adds its gradient to a segment's reduction among `holders`, or zeros: one
     holder per stage contributes (the first in rank order), because a stage's TP replicas of a
-    parameter hold the same gradient."""
+    parameter hold the same gradient; under sequence parallelism every holder does (partial sums)."""
+    if _sequence_parallel(plan, device):
+        return True
     placement = plan.placement(device)
     return next(d for d in holders if plan.placement(d) == placement) == device
+
+
+def _sequence_parallel(plan: Plan, device: str) -> bool:
+    pi, si = plan.placement(device)
+    return plan.pipelines[pi].stages[si].sequence_parallel
 
 
 def _layer_order(config: ModelConfig, specs: dict[str, ParamSpec]) -> list[str]:

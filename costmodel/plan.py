@@ -27,10 +27,18 @@ class PlanInvalid(ElastorError):
         self.problems = problems
 
 
+DTYPES = ("float32", "bfloat16")  # the plan's parameter and activation dtype; masters stay fp32
+RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's blocks
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     layers: tuple[int, int]  # half-open range [start, end) of the layer list
     devices: tuple[str, ...]  # its tensor-parallel group, in TP-rank order
+    # Norms, residual stream and boundary activations split along the sequence across the TP group
+    # (Korthikanti et al. 2022, section 4.2.2); only meaningful at TP degree > 1.
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective (the attention core) | full (each block's forward)
 
     @property
     def tp_degree(self) -> int:
@@ -41,7 +49,14 @@ class Stage:
         return self.layers[1] - self.layers[0]
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "devices": list(self.devices)}
+        """The stage's JSON; the optional fields only where they differ from their defaults, so a
+        plan written before them reads back as it was."""
+        data: dict[str, Any] = {"layers": list(self.layers), "devices": list(self.devices)}
+        if self.sequence_parallel:
+            data["sequence_parallel"] = True
+        if self.recompute != "none":
+            data["recompute"] = self.recompute
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Stage":
@@ -51,7 +66,16 @@ class Stage:
             raise ElastorError(f"A stage's layers must be [start, end) integers, not {layers!r}.")
         if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
             raise ElastorError(f'A stage\'s devices must be a list of names like "n0:1", not {devices!r}.')
-        return cls(layers=(layers[0], layers[1]), devices=tuple(devices))
+        sp, recompute = data.get("sequence_parallel", False), data.get("recompute", "none")
+        if not isinstance(sp, bool):
+            raise ElastorError(f"A stage's sequence_parallel must be true or false, not {sp!r}.")
+        if recompute not in RECOMPUTE:
+            raise ElastorError(
+                f"A stage's recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}."
+            )
+        return cls(
+            layers=(layers[0], layers[1]), devices=tuple(devices), sequence_parallel=sp, recompute=recompute
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +112,7 @@ class Plan:
     micro_batch_size: int
     seq_len: int
     pipelines: tuple[Pipeline, ...]
+    dtype: str = "float32"  # parameters and activations; master weights, main grads, moments are fp32
     predicted: dict[str, Any] | None = None  # the cost model's estimate, if a solver made the plan
     solver: dict[str, Any] | None = None  # method, status, wall_s
 
@@ -125,6 +150,8 @@ class Plan:
             problems.append(f"micro_batch_size must be at least 1, not {self.micro_batch_size}.")
         if not 1 <= self.seq_len <= model.max_seq_len:
             problems.append(f"seq_len {self.seq_len} is outside 1..{model.max_seq_len}, the model's maximum.")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
         if not self.pipelines:
             problems.append("The plan has no pipeline.")
         total_mb = sum(p.num_microbatches for p in self.pipelines)
@@ -187,6 +214,13 @@ class Plan:
                 f"{where} spans nodes {', '.join(sorted(nodes))}; "
                 "a tensor-parallel group must sit on one node."
             )
+        if stage.sequence_parallel and tp == 1:
+            problems.append(f"{where} asks for sequence_parallel at TP degree 1, where it means nothing.")
+        if stage.sequence_parallel and self.seq_len % tp:
+            problems.append(
+                f"{where} asks for sequence_parallel, but its TP degree {tp} does not divide seq_len "
+                f"{self.seq_len}."
+            )
         if model.num_heads % tp or model.num_kv_heads % tp:
             problems.append(
                 f"{where} has TP degree {tp}, which does not divide the model's {model.num_heads} "
@@ -208,6 +242,7 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
             "seq_len": self.seq_len,
+            "dtype": self.dtype,
             "pipelines": [p.to_json() for p in self.pipelines],
         }
         if self.predicted is not None:
@@ -230,6 +265,7 @@ class Plan:
             global_batch_size=data["global_batch_size"],
             micro_batch_size=data["micro_batch_size"],
             seq_len=data["seq_len"],
+            dtype=data.get("dtype", "float32"),
             pipelines=tuple(Pipeline.from_json(p) for p in data["pipelines"]),
             predicted=data.get("predicted"),
             solver=data.get("solver"),
@@ -239,7 +275,9 @@ class Plan:
     def summary(self) -> str:
         """A per-stage table: pipeline, stage, layer range and names, TP degree, devices."""
         names = self.model.layer_names()
-        rows = [("pipe", "stage", "layers", "first..last", "tp", "micro-batches", "devices")]
+        rows = [
+            ("pipe", "stage", "layers", "first..last", "tp", "sp", "recompute", "micro-batches", "devices")
+        ]
         for pi, pipe in enumerate(self.pipelines):
             for si, st in enumerate(pipe.stages):
                 start, end = st.layers
@@ -251,6 +289,8 @@ class Plan:
                         f"[{start},{end})",
                         span,
                         str(st.tp_degree),
+                        "yes" if st.sequence_parallel else "",
+                        st.recompute if st.recompute != "none" else "",
                         str(pipe.num_microbatches) if si == 0 else "",
                         ",".join(st.devices),
                     )
@@ -258,6 +298,6 @@ class Plan:
         head = (
             f"{self.model.name}: {len(self.pipelines)} pipeline(s) on {self.world_size} device(s), "
             f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
-            f"{self.global_batch_size // max(self.micro_batch_size, 1)}, seq_len {self.seq_len}"
+            f"{self.global_batch_size // max(self.micro_batch_size, 1)}, seq_len {self.seq_len}, {self.dtype}"
         )
         return f"{head}\n{format_table(rows)}"

@@ -22,6 +22,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from costmodel.config import ModelConfig
 from costmodel.layout import shard_size
@@ -62,10 +63,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention; with `tp_degree` t, this rank's heads/t query heads."""
+    """Causal grouped-query attention; with `tp_degree` t, this rank's heads/t query heads.
+
+    `recompute_core` (selective recomputation, Korthikanti et al. 2022, section 5) keeps only the
+    q, k, v projections' outputs and reruns the attention core (rotary, key/value repetition, the
+    attention kernel) in backward, with `torch.utils.checkpoint` (non-reentrant: bit-identical).
+    """
 
     def __init__(self, config: ModelConfig, tp_degree: int = 1):
         super().__init__()
+        self.recompute_core = False
         self.head_dim = config.head_dim
         self.local_heads = config.num_heads // tp_degree
         self.local_kv_heads = config.num_kv_heads // tp_degree
@@ -80,13 +87,22 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if self.recompute_core:
+            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, cos, sin)
+        return self.wo(out)
+
+    def _core(self, q, k, v, cos, sin) -> torch.Tensor:
+        """Rotary, key/value repetition and causal attention: [b, heads, s, d] in, [b, s, heads * d] out."""
+        b, _, s, _ = q.shape
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = self.local_heads // self.local_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
 
 class MLP(nn.Module):

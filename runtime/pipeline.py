@@ -9,11 +9,12 @@ pair goes out as one `batch_isend_irecv`, so no ordering of blocking calls can d
 Why not `torch.distributed.pipelining`: its stages are one rank each, linked by consecutive ranks of
 one group; tensor parallelism is added by running one pipeline per TP rank, which requires every
 stage of a pipeline to have the same TP degree. Elastor's stages do not (a stage of 3 feeding a stage
-of 2). Here the activations leaving a stage are complete on each of its TP ranks, so stage a (degree
-A) feeds stage b (degree B) by fan-out: b's rank j receives from a's rank j mod A, and in backward,
-a's rank i receives the input gradient (also complete on every rank of b, thanks to the TP regions'
-backward all-reduce) from b's rank i mod B. Each receiver gets exactly one message per micro-batch
-and the senders share the work.
+of 2). Here each rank of a stage holds the activations leaving it whole, or under sequence
+parallelism its sequence slice, and each rank of the next stage needs them whole or its own slice:
+`costmodel.boundary.routes` cuts every needed range into pieces and names one holder per piece, so
+each rank receives every token it needs exactly once (forward: activations; backward: their
+gradients, with the roles swapped) and the holders share the sending. Without sequence parallelism
+that is b's rank j receiving from a's rank j mod A. Messages travel in the plan's dtype.
 
 Gradients are not scaled by the micro-batch count: the last stage's loss is the summed token
 cross-entropy divided by the global token count, so gradients summed over micro-batches and then
@@ -21,13 +22,45 @@ over pipelines give the full-batch gradient whatever each pipeline's micro-batch
 """
 
 from collections import deque
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from costmodel.plan import Plan
+from costmodel.boundary import Transfer, routes, stage_ranges
+from costmodel.plan import Plan, Stage
 from runtime.stage import StageModule
+
+
+def _links(
+    front: Stage, back: Stage, me: int, seq_len: int, rank_of: dict[str, int], i_am_front: bool
+) -> tuple[list, list]:
+    """This rank's (sends, receives) across the front -> back boundary, forward then backward.
+
+    Each entry is (peer rank, start, stop) in this rank's local token coordinates, in a fixed order
+    that the peer derives identically."""
+    ranges = {
+        "front": stage_ranges(seq_len, front.tp_degree, front.sequence_parallel),
+        "back": stage_ranges(seq_len, back.tp_degree, back.sequence_parallel),
+    }
+    devices = {"front": front.devices, "back": back.devices}
+
+    def mine(transfers: list[Transfer], holder: str, needer: str) -> tuple[list, list]:
+        side = "front" if i_am_front else "back"
+        sends = [
+            (rank_of[devices[needer][t.dst]], t.start - ranges[holder][me][0], t.stop - ranges[holder][me][0])
+            for t in transfers
+            if holder == side and t.src == me
+        ]
+        recvs = [
+            (rank_of[devices[holder][t.src]], t.start - ranges[needer][me][0], t.stop - ranges[needer][me][0])
+            for t in transfers
+            if needer == side and t.dst == me
+        ]
+        return sends, recvs
+
+    forward = mine(routes(ranges["front"], ranges["back"]), "front", "back")
+    backward = mine(routes(ranges["back"], ranges["front"]), "back", "front")
+    return forward, backward
 
 
 class PipelineSchedule:
@@ -39,55 +72,66 @@ class PipelineSchedule:
         *,
         torch_device: torch.device,
         global_tokens: int,
-        autocast_dtype: torch.dtype | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         rank_of = {d: i for i, d in enumerate(plan.devices)}
         pi, si = plan.placement(device)
         stages = plan.pipelines[pi].stages
-        me, tp = stages[si].devices.index(device), stages[si].tp_degree
+        me = stages[si].devices.index(device)
         self.num_stages, self.stage_index = len(stages), si
         self.model, self.device, self.global_tokens = model, torch_device, global_tokens
-        self.autocast_dtype = autocast_dtype
-        self.hidden_shape = (plan.micro_batch_size, plan.seq_len, plan.model.hidden_size)
-        prev = stages[si - 1].devices if si > 0 else ()
-        nxt = stages[si + 1].devices if si + 1 < len(stages) else ()
-        self.recv_fwd_from = rank_of[prev[me % len(prev)]] if prev else None
-        self.send_fwd_to = [rank_of[d] for j, d in enumerate(nxt) if j % tp == me]
-        self.recv_bwd_from = rank_of[nxt[me % len(nxt)]] if nxt else None
-        self.send_bwd_to = [rank_of[d] for i, d in enumerate(prev) if i % tp == me]
+        self.dtype = dtype
+        self.batch_hidden = (plan.micro_batch_size, plan.model.hidden_size)
+        no_links: tuple[list, list] = ([], [])
+        before = _links(stages[si - 1], stages[si], me, plan.seq_len, rank_of, False) if si > 0 else None
+        after = (
+            _links(stages[si], stages[si + 1], me, plan.seq_len, rank_of, True)
+            if si + 1 < len(stages)
+            else None
+        )
+        # (sends, receives) of activations forward and of their gradients backward.
+        (_, self.recv_fwd), (self.send_bwd, _) = before or (no_links, no_links)
+        (self.send_fwd, _), (_, self.recv_bwd) = after or (no_links, no_links)
+        self.bytes_sent = 0  # point-to-point payload this rank has sent
 
     # ---- point-to-point ------------------------------------------------------------------------
-    def _exchange(
-        self, sends: list[tuple[torch.Tensor, list[int]]], recv_from: int | None
-    ) -> torch.Tensor | None:
-        """Post every send and at most one receive together; wait for all of them."""
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peers in sends for peer in peers]
-        received = None
-        if recv_from is not None:
-            received = torch.empty(self.hidden_shape, dtype=torch.float32, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, received, recv_from))
+    def _exchange(self, send: torch.Tensor | None, to: list, receive: list) -> torch.Tensor | None:
+        """Post the pieces of `send` to their peers and the pieces to receive, together; wait for all,
+        and return the received pieces joined along the sequence (None if nothing was received)."""
+        ops = []
+        if send is not None:
+            for peer, lo, hi in to:
+                piece = send[:, lo:hi].contiguous()
+                ops.append(dist.P2POp(dist.isend, piece, peer))
+                self.bytes_sent += piece.numel() * piece.element_size()
+        pieces = []
+        for peer, lo, hi in receive:
+            pieces.append(
+                torch.empty(
+                    (self.batch_hidden[0], hi - lo, self.batch_hidden[1]),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+            )
+            ops.append(dist.P2POp(dist.irecv, pieces[-1], peer))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return received
+        if not pieces:
+            return None
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def _recv_forward(self) -> torch.Tensor | None:
-        x = self._exchange([], self.recv_fwd_from)
+        x = self._exchange(None, [], self.recv_fwd)
         return None if x is None else x.requires_grad_()
 
     # ---- compute -------------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor | None, batch: torch.Tensor) -> torch.Tensor:
-        """Hidden states to send on, or (last stage) this micro-batch's share of the loss."""
-        context = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype
-            else nullcontext()
-        )
-        with context:
-            out = self.model(batch[:, :-1] if x is None else x)
-            if self.model.is_last:
-                return self.model.loss_sum(out, batch[:, 1:]) / self.global_tokens
-        return out.float()
+        """Hidden states to send on, or (last stage) this micro-batch's share of the loss (fp32)."""
+        out = self.model(batch[:, :-1] if x is None else x)
+        if self.model.is_last:
+            return self.model.loss_sum(out, batch[:, 1:]) / self.global_tokens
+        return out
 
     def _backward(
         self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None
@@ -118,22 +162,21 @@ class PipelineSchedule:
 
         for i in range(warmup):
             y = forward(i, self._recv_forward())
-            self._exchange([(y.detach(), self.send_fwd_to)], None)
+            self._exchange(y.detach(), self.send_fwd, [])
         x = self._recv_forward() if warmup < m else None
         for i in range(warmup, m):
             y = forward(i, x)
-            grad = self._exchange([] if last else [(y.detach(), self.send_fwd_to)], self.recv_bwd_from)
+            grad = self._exchange(None if last else y.detach(), self.send_fwd, self.recv_bwd)
             gx = self._backward(inputs.popleft(), outputs.popleft(), grad)
-            sends = [(gx, self.send_bwd_to)] if gx is not None else []
             if i == m - 1:
-                self._exchange(sends, None)
+                self._exchange(gx, self.send_bwd, [])
                 x = None
             else:
-                x = self._exchange(sends, self.recv_fwd_from)
+                x = self._exchange(gx, self.send_bwd, self.recv_fwd)
                 if x is not None:
                     x.requires_grad_()
         for _ in range(warmup):
-            grad = self._exchange([], self.recv_bwd_from)
+            grad = self._exchange(None, [], self.recv_bwd)
             gx = self._backward(inputs.popleft(), outputs.popleft(), grad)
-            self._exchange([(gx, self.send_bwd_to)] if gx is not None else [], None)
+            self._exchange(gx, self.send_bwd, [])
         return loss

@@ -2,8 +2,11 @@
 
 Same model (`build_model`), same initial weights, same samples, same loss normalisation, same AdamW,
 clipping (torch's `clip_grad_norm_`, an implementation independent of the runtime's sharded norm)
-and learning-rate schedule. Every plan must reproduce its losses and final weights (DESIGN.md
-invariant 1); tests/test_runtime_parity.py holds it.
+and learning-rate schedule, same mixed precision (runtime/precision.py: the model in the plan's dtype,
+fp32 masters). Every plan must reproduce its losses and final weights (DESIGN.md invariant 1);
+tests/test_runtime_parity.py holds it. `accumulation` > 1 runs the global batch as that many equal
+micro-batches instead: in fp32 the same mathematics, in bf16 another rounding of the same sums,
+which is how the bf16 tolerance of the parity tests is measured.
 """
 
 import torch
@@ -12,6 +15,7 @@ from costmodel.config import ModelConfig
 from runtime.data import fetch, open_source
 from runtime.model import build_model, cross_entropy_sum
 from runtime.optim import OptimConfig, build_optimizer, set_lr
+from runtime.precision import MasterWeights
 
 
 def train_reference(
@@ -23,21 +27,28 @@ def train_reference(
     optim: OptimConfig,
     seed: int = 0,
     data: str | None = None,
+    dtype: str = "float32",
+    accumulation: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses of `steps` optimizer steps and the final parameters by global name."""
+    """Losses of `steps` optimizer steps and the final (fp32 master) parameters by global name."""
     model = build_model(config, seed=seed)
-    params = dict(model.named_parameters())
+    precision = MasterWeights(model, dtype)
+    params = precision.masters
     optimizer = build_optimizer(params, optim)
     source = open_source(data, config.vocab_size, seq_len, seed)
     losses = []
     for step in range(steps):
         batch = fetch(source, step * global_batch_size, global_batch_size)
-        optimizer.zero_grad()
-        loss = cross_entropy_sum(model(batch[:, :-1]), batch[:, 1:]) / (global_batch_size * seq_len)
-        loss.backward()
+        optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros(())
+        for part in batch.chunk(accumulation):
+            share = cross_entropy_sum(model(part[:, :-1]), part[:, 1:]) / (global_batch_size * seq_len)
+            share.backward()
+            loss += share.detach()
         if optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params.values(), optim.grad_clip)
         set_lr(optimizer, optim.lr_at(step))
         optimizer.step()
+        precision.publish()
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in params.items()}

@@ -4,10 +4,17 @@ The shapes come from the layout (`device_pieces`), not from a second copy of the
 module checks at construction that it holds exactly the layout's pieces: the gradient sync and the
 checkpoint address the same boxes. Initial values are the layout's box of `init_tensor(seed, name)`,
 so every plan starts from the same model as the single-process reference.
+
+The stage's `recompute` applies to its blocks: "full" wraps each block's forward in
+`torch.utils.checkpoint` (non-reentrant, so the recomputed forward, TP collectives included, gives
+bit-identical gradients; only each block's input is kept), "selective" the attention core of each
+(`Attention.recompute_core`). With `sequence_parallel`, activations between blocks are this rank's
+sequence slice (runtime/tensor_parallel.py).
 """
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from costmodel.layout import Box, device_pieces
 from costmodel.plan import Plan
@@ -28,9 +35,10 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 class StageModule(nn.Module):
     """Layers [start, end) of `device`'s stage, its TP shard, with global parameter names.
 
-    Input: token ids [batch, seq] on a first stage, else hidden states [batch, seq, hidden]. Output:
-    this rank's vocabulary columns of the logits on a last stage, else hidden states (complete and
-    identical on every TP rank of the stage).
+    Input: token ids [batch, seq] on a first stage, else hidden states [batch, seq, hidden] (under
+    sequence parallelism, [batch, seq / tp, hidden]: this rank's slice). Output: this rank's
+    vocabulary columns of the logits on a last stage, else hidden states (complete and identical on
+    every TP rank of the stage, or this rank's slice under sequence parallelism).
     """
 
     def __init__(self, plan: Plan, device: str, group, *, seed: int):
@@ -40,6 +48,9 @@ class StageModule(nn.Module):
         stage = plan.pipelines[pi].stages[si]
         tp_degree, tp_rank = stage.tp_degree, stage.devices.index(device)
         self.config, self.group = config, group
+        sp = stage.sequence_parallel
+        self.sequence_shards = tp_degree if sp else 1
+        self.full_recompute = stage.recompute == "full"
         self.start, self.end = stage.layers
         self.is_first, self.is_last = self.start == 0, self.end == config.num_layers
         self.pieces: dict[str, tuple] = {spec.name: (spec, box) for spec, box in device_pieces(plan, device)}
@@ -50,18 +61,20 @@ class StageModule(nn.Module):
         )
         has_embedding = "embed.weight" in self.pieces
         self.embed = (
-            VocabParallelEmbedding(rows, config.hidden_size, self.vocab_offset, group)
+            VocabParallelEmbedding(rows, config.hidden_size, self.vocab_offset, group, sp)
             if has_embedding
             else None
         )
         first_block, last_block = max(self.start, 1) - 1, min(self.end, config.num_layers - 1) - 1
         self.blocks = nn.ModuleDict(
             {
-                str(i): apply_tensor_parallel(Block(config, tp_degree, tp_rank), group)
+                str(i): apply_tensor_parallel(Block(config, tp_degree, tp_rank), group, sp)
                 for i in range(first_block, last_block)
             }
         )
-        self.head = VocabParallelHead(config, rows, group) if self.is_last else None
+        for block in self.blocks.values():
+            block.attn.recompute_core = stage.recompute == "selective"
+        self.head = VocabParallelHead(config, rows, group, sp) if self.is_last else None
         self._rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._initialise(seed)
 
@@ -83,12 +96,16 @@ class StageModule(nn.Module):
         if self.is_first:
             x = self.embed(x)
         if len(self.blocks):
-            key = (x.shape[1], x.device)
+            seq_len = x.shape[1] * self.sequence_shards  # attention sees the whole sequence
+            key = (seq_len, x.device)
             if key not in self._rotary:
-                self._rotary[key] = rotary_tables(self.config, x.shape[1], device=x.device)
+                self._rotary[key] = rotary_tables(self.config, seq_len, device=x.device)
             cos, sin = self._rotary[key]
             for block in self.blocks.values():
-                x = block(x, cos, sin)
+                if self.full_recompute and torch.is_grad_enabled():
+                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin)
         if self.head is not None:
             x = self.head(x, self.embed.weight if self.head.output is None else None)
         return x

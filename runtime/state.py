@@ -91,6 +91,7 @@ def restore_training_state(trainer, tensors: dict[str, torch.Tensor], meta: dict
                 f"not {tuple(piece.tensor.shape)}."
             )
         piece.tensor.copy_(loaded)
+    trainer.precision.publish()
     for param in trainer.params.values():
         trainer.optimizer.state[param]["step"].fill_(float(meta["step"]))
     trainer.step, trainer.cursor = int(meta["step"]), int(meta["data"]["cursor"])

@@ -1,16 +1,20 @@
 """Training from any valid plan: one `Trainer` per rank, built by an ordered list of steps.
 
 Construction, in order: the process groups of the plan (every rank, same order), this rank's stage
-module (its layers, its TP shard, initialised from the seed), the pipeline schedule, the gradient
-sync, AdamW. One optimizer step (`train_step`):
+module (its layers, its TP shard, initialised from the seed, then cast to the plan's dtype with fp32
+master weights beside it: runtime/precision.py), the pipeline schedule, the gradient sync, AdamW
+over the masters. One optimizer step (`train_step`):
 
 1. run the pipeline's 1F1B schedule over its micro-batches of samples [cursor, cursor + B);
+   gradients accumulate in the masters' fp32 main gradients;
 2. all-reduce every gradient segment among exactly its holders (`GradSync`);
 3. one all-reduce over the job of [owned squared gradient, loss share]: the global norm and loss;
-4. clip, set the scheduled learning rate, AdamW step; advance step and cursor.
+4. clip, set the scheduled learning rate, AdamW step on the masters, round them into the module;
+   advance step and cursor.
 
-Everything that defines the training state lives on the trainer (`model`, `optimizer`, `step`,
-`cursor`, `optim`, `seed`); runtime/state.py turns it into checkpoint pieces and back.
+Everything that defines the training state lives on the trainer (`params`, the fp32 masters by
+global name, `optimizer`, `step`, `cursor`, `optim`, `seed`); runtime/state.py turns it into
+checkpoint pieces and back.
 """
 
 import time
@@ -25,6 +29,7 @@ from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
 from runtime.grad_sync import GradSync, owned_regions, owned_square_sum
 from runtime.optim import OptimConfig, build_optimizer, set_lr
 from runtime.pipeline import PipelineSchedule
+from runtime.precision import MasterWeights
 from runtime.stage import StageModule
 
 
@@ -46,7 +51,6 @@ class Trainer:
         optim: OptimConfig,
         seed: int = 0,
         source=None,
-        bf16: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.plan, self.ctx, self.optim, self.seed = plan, ctx, optim, seed
@@ -58,16 +62,15 @@ class Trainer:
         self.tp_rank = stage.devices.index(device)
 
         self.model = StageModule(plan, device, self.groups.group(stage.devices), seed=seed).to(ctx.device)
-        self.params = dict(self.model.named_parameters())
-        for p in self.params.values():  # every parameter has a gradient buffer from the start
-            p.grad = torch.zeros_like(p)
+        self.precision = MasterWeights(self.model, plan.dtype)
+        self.params = self.precision.masters
         self.schedule = PipelineSchedule(
             plan,
             device,
             self.model,
             torch_device=ctx.device,
             global_tokens=plan.global_batch_size * plan.seq_len,
-            autocast_dtype=torch.bfloat16 if bf16 else None,
+            dtype=self.precision.dtype,
         )
         self.sync = GradSync(plan, device, self.params, self.groups)
         self.norm_regions = owned_regions(plan, device)
@@ -118,6 +121,7 @@ class Trainer:
         lr = self.optim.lr_at(self.step)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        self.precision.publish()
         self.step += 1
         self.cursor += self.plan.global_batch_size
         return StepResult(

@@ -216,6 +216,7 @@ def _worker(argv: list[str]) -> int:
     if ctx.rank == 0:
         (out / "losses.json").write_text(json.dumps([r.loss for r in results]))
         (out / "timing.json").write_text(json.dumps(marks))
+        (out / "module_dtype.txt").write_text(str(next(trainer.model.parameters()).dtype))
     import torch.distributed as dist
 
     dist.destroy_process_group()

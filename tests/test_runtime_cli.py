@@ -83,7 +83,6 @@ def test_world_size_mismatch_is_one_sentence_on_every_rank(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "sentence"),
     [
-        (("--bf16",), "--bf16 needs CUDA devices"),
         (("--data", "missing.bin"), "The data file missing.bin does not exist."),
         (("--steps", "-1"), "--steps, --warmup-steps and --ckpt-every must be non-negative"),
     ],

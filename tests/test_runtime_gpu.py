@@ -1,8 +1,9 @@
-"""The CUDA paths of the runtime on one GPU: NCCL, fp32 parity, and bf16 autocast with fp32 master weights.
+"""The CUDA paths of the runtime on one GPU: NCCL, fp32 parity, and bf16 plans with fp32 master weights.
 
 Skipped without a CUDA device (the `gpu` marker). Tolerances: fp32 on the GPU against the CPU reference
-within 1e-4 relative per loss (different kernels sum in different orders; TF32 stays off); bf16
-autocast within 2e-2 relative, and its master weights and AdamW state stay fp32.
+within 1e-4 relative per loss (different kernels sum in different orders; TF32 stays off); a bf16
+plan within 2e-2 relative of the fp32 reference, its module parameters bf16 and its master weights
+and AdamW state fp32.
 """
 
 import pytest
@@ -34,10 +35,10 @@ def cuda_trainer():
     made = []
 
     def make(bf16: bool) -> Trainer:
-        plan = Plan.from_json(PLAN)
+        plan = Plan.from_json({**PLAN, "dtype": "bfloat16" if bf16 else "float32"})
         ctx = init_distributed(plan, device="cuda")
         assert ctx.backend == "nccl" and ctx.device.type == "cuda"
-        made.append(Trainer(plan, ctx, optim=OptimConfig(**PARITY_OPTIM), bf16=bf16))
+        made.append(Trainer(plan, ctx, optim=OptimConfig(**PARITY_OPTIM)))
         return made[-1]
 
     yield make
@@ -55,5 +56,7 @@ def test_cuda_training_matches_the_cpu_reference(cuda_trainer, reference_losses,
     for got, want in zip(losses, reference_losses, strict=True):
         assert abs(got - want) <= rtol * want
     assert all(p.dtype == torch.float32 and p.is_cuda for p in trainer.params.values())
+    module_dtype = torch.bfloat16 if bf16 else torch.float32
+    assert all(p.dtype == module_dtype for p in trainer.model.parameters())
     state = trainer.optimizer.state[trainer.params["embed.weight"]]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "train",
         "Train from a plan under torchrun (one process per plan device; rank r plays the plan's r-th "
-        "device); rank 0 appends per-step metrics to --metrics and shows a progress bar.",
+        "device) in the plan's dtype, sequence parallelism and recomputation; rank 0 appends per-step "
+        "metrics to --metrics and shows a progress bar.",
         EXAMPLE,
     )
     p.add_argument("--plan", required=True, help="plan JSON file")
@@ -52,9 +53,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--grad-clip", type=float, default=1.0, help="global-norm clip, 0 for none (default: %(default)s)"
     )
     p.add_argument(
-        "--bf16", action="store_true", help="bf16 autocast with fp32 master weights (CUDA only; default fp32)"
-    )
-    p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when torch sees one"
     )
     p.add_argument(
@@ -75,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ElastorError("--ckpt-every and --stop-at need --ckpt-dir.")
     plan = Plan.from_json(read_json(args.plan, "plan")).validate()
 
-    import torch.distributed as dist  # torch only for the commands that train
+    import torch  # torch only for the commands that train
+    import torch.distributed as dist
 
     from runtime.checkpointing import CheckpointHook, resume
     from runtime.data import open_source
@@ -87,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     source = open_source(args.data, plan.model.vocab_size, plan.seq_len, args.seed)  # errors before joining
     ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
-    if args.bf16 and not ctx.is_cuda:
-        raise ElastorError("--bf16 needs CUDA devices; train in fp32 on CPU.")
+    if ctx.is_cuda and plan.dtype == "float32":  # fp32 plans run their matrix products in TF32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     optim = OptimConfig(
         lr=args.lr,
         min_lr=args.lr / 10 if args.min_lr is None else args.min_lr,
@@ -97,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
     )
-    trainer = Trainer(
-        plan, ctx, optim=optim, seed=args.seed, source=source, bf16=args.bf16, timeout_s=args.timeout_s
-    )
+    trainer = Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
     try:
         ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else None

@@ -1,0 +1,71 @@
+"""Who sends which part of a stage boundary's activations to whom: the same rule for runtime and cost model.
+
+A stage of TP degree t holds its output (and, in backward, its input gradient) either whole on every
+rank or, with sequence parallelism, split along the sequence: rank r holds tokens
+[r·s/t, (r+1)·s/t). Across a boundary each rank that needs a range of tokens (`needs`) gets every token
+of it exactly once, from some rank that holds it (`holds`): its range is cut at the holders' edges and
+each piece comes from one of the holders covering it, chosen round-robin by the needer's index so that
+replicas share the sending. Forward, the front stage holds and the back stage needs; backward, the
+roles swap. So a TP1 stage feeding a sequence-parallel TP4 stage sends each receiver its quarter
+(s tokens in all, where four full copies went before), and a whole-holding TP A stage feeding a
+whole-needing TP B stage sends receiver j everything from rank j mod A.
+
+Torch-free: the cost model prices the bytes these routes move, the runtime posts exactly them.
+"""
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int  # index of the holder in its stage's device list
+    dst: int  # index of the needer in its stage's device list
+    start: int  # global token range [start, stop)
+    stop: int
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+
+def token_range(seq_len: int, tp_degree: int, tp_rank: int, sequence_parallel: bool) -> tuple[int, int]:
+    """The tokens a rank holds of a [batch, seq, hidden] activation: all, or its sequence slice."""
+    if not sequence_parallel:
+        return 0, seq_len
+    size = seq_len // tp_degree
+    return tp_rank * size, (tp_rank + 1) * size
+
+
+def routes(holds: list[tuple[int, int]], needs: list[tuple[int, int]]) -> list[Transfer]:
+    """Every transfer that gives each needer its range from the holders (module docstring), needers
+    in order, each needer's pieces in token order."""
+    transfers = []
+    edges = sorted({e for lo, hi in holds for e in (lo, hi)})
+    for j, (lo, hi) in enumerate(needs):
+        cuts = [lo, *(e for e in edges if lo < e < hi), hi]
+        for a, b in pairwise(cuts):
+            covering = [i for i, (h_lo, h_hi) in enumerate(holds) if h_lo <= a and b <= h_hi]
+            if not covering:
+                raise ValueError(f"no holder has tokens [{a}, {b})")
+            transfers.append(Transfer(covering[j % len(covering)], j, a, b))
+    return transfers
+
+
+def stage_ranges(seq_len: int, tp_degree: int, sequence_parallel: bool) -> list[tuple[int, int]]:
+    return [token_range(seq_len, tp_degree, r, sequence_parallel) for r in range(tp_degree)]
+
+
+def boundary_tokens(seq_len: int, front: tuple[int, bool], back: tuple[int, bool]) -> int:
+    """The most tokens (per sample of a micro-batch) that one rank sends or receives across a
+    boundary from a (TP degree, sequence parallel) front stage to a back stage, in the forward
+    exchange or the backward one: what paces the boundary's point-to-point time."""
+    front_ranges, back_ranges = stage_ranges(seq_len, *front), stage_ranges(seq_len, *back)
+    most = 0
+    for holders, needers in ((front_ranges, back_ranges), (back_ranges, front_ranges)):
+        sent, received = [0] * len(holders), [0] * len(needers)
+        for t in routes(holders, needers):
+            sent[t.src] += t.tokens
+            received[t.dst] += t.tokens
+        most = max(most, *sent, *received)
+    return most
