@@ -127,29 +127,101 @@ def backward_flops(
 
 
 # ---- activation memory -------------------------------------------------------------------------------
-def _rmsnorm_bytes(b: int, s: int, h: int, dtype_bytes: int) -> int:
-    """What one RMSNorm and the projection after it keep: fp32 input, 1/rms, normalised, scaled."""
-    return FP32_BYTES * b * s * h + FP32_BYTES * b * s + 2 * dtype_bytes * b * s * h
+def _rmsnorm_bytes(b: int, s: int, h: int, dtype_bytes: int, shards: int = 1) -> int:
+    """What one RMSNorm and the projection after it keep: fp32 input, 1/rms, normalised, and the
+    projection's input. Under sequence parallelism (`shards` = t) the norm sees s/t tokens and the
+    projection keeps the all-gathered whole sequence."""
+    local = b * (s // shards)
+    return FP32_BYTES * local * h + FP32_BYTES * local + dtype_bytes * local * h + dtype_bytes * b * s * h
 
 
 def activation_bytes(
-    config: ModelConfig, kind: str, micro_batch_size: int, seq_len: int, tp_degree: int, dtype: str
+    config: ModelConfig,
+    kind: str,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    dtype: str,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
 ) -> int:
-    """Bytes one TP shard of a layer keeps for backward per micro-batch; see the module docstring."""
+    """Bytes one TP shard of a layer keeps for backward per micro-batch; see the module docstring.
+
+    `recompute` applies to blocks: "full" keeps the block's input alone (its forward reruns in
+    backward); "selective" keeps the q, k, v projections' outputs (k and v before their repetition
+    to H heads) and the attention output, not the rotated q and k, the repeated k and v, the
+    log-sum-exp or the 16-bit rotary copies, which the attention core recomputes.
+    """
     b, s, h, d = micro_batch_size, seq_len, config.hidden_size, config.head_dim
     dt = DTYPE_BYTES[dtype]
-    heads, _, width, vocab = _local(config, tp_degree)
+    shards = tp_degree if sequence_parallel and tp_degree > 1 else 1
+    heads, kv_heads, width, vocab = _local(config, tp_degree)
     if kind == "embed":
         return INT64_BYTES * b * s + (BOOL_BYTES * b * s if tp_degree > 1 else 0)
     if kind == "head":
         loss = FP32_BYTES * b * s * vocab + INT64_BYTES * b * s
         loss += BOOL_BYTES * b * s if tp_degree > 1 else FP32_BYTES
-        return _rmsnorm_bytes(b, s, h, dt) + loss
-    rows = -(-s // LSE_ROW_MULTIPLE) * LSE_ROW_MULTIPLE
-    rotary_tables = 2 * s * d * FP32_BYTES if dt == FP32_BYTES else 4 * s * d * dt
-    attention = 4 * dt * b * s * heads * d + FP32_BYTES * b * heads * rows + rotary_tables
+        return _rmsnorm_bytes(b, s, h, dt, shards) + loss
+    if recompute == "full":
+        return dt * b * (s // shards) * h
+    shared_tables = 2 * s * d * FP32_BYTES if dt == FP32_BYTES else 0  # fp32 tables: no copies
+    if recompute == "selective":
+        attention = dt * b * s * d * (2 * heads + 2 * kv_heads) + shared_tables
+    else:
+        rows = -(-s // LSE_ROW_MULTIPLE) * LSE_ROW_MULTIPLE
+        rotary_tables = shared_tables if dt == FP32_BYTES else 4 * s * d * dt
+        attention = 4 * dt * b * s * heads * d + FP32_BYTES * b * heads * rows + rotary_tables
     mlp = 4 * dt * b * s * width
-    return 2 * _rmsnorm_bytes(b, s, h, dt) + attention + mlp
+    return 2 * _rmsnorm_bytes(b, s, h, dt, shards) + attention + mlp
+
+
+def recompute_transient_bytes(
+    config: ModelConfig,
+    kind: str,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    dtype: str,
+    sequence_parallel: bool,
+    recompute: str,
+) -> int:
+    """What recomputing one block in backward holds at once on top of what it kept: the activations
+    its rerun forward saves (the whole block's, or the attention core's), freed as its backward
+    consumes them."""
+    if kind != "block" or recompute == "none":
+        return 0
+    args = (config, kind, micro_batch_size, seq_len, tp_degree, dtype, sequence_parallel)
+    return activation_bytes(*args, "none") - activation_bytes(*args, recompute)
+
+
+def backward_transient_bytes(
+    config: ModelConfig, kind: str, micro_batch_size: int, seq_len: int, tp_degree: int, dtype: str
+) -> int:
+    """Working memory of one layer shard's forward and backward above what it keeps, for profiles
+    that do not measure it (the analytic ones). Measured on CPU (`profiler.memory`): the embedding's
+    backward makes a dense gradient of its V/t x h rows plus two (three with the out-of-shard mask)
+    hidden-sized gradients; the head's holds the fp32 softmax gradient of its V/t logits and the
+    logits' own. A block's is bounded by the gradients of everything it keeps alive at once plus its
+    output gradient (measured: 35-65% of that bound), which this takes: never below the truth."""
+    b, s, h = micro_batch_size, seq_len, config.hidden_size
+    dt = DTYPE_BYTES[dtype]
+    _, _, _, vocab = _local(config, tp_degree)
+    if kind == "embed":
+        return vocab * h * dt + (3 if tp_degree > 1 else 2) * dt * b * s * h
+    if kind == "head":
+        return 2 * FP32_BYTES * b * s * vocab
+    return activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype) + dt * b * s * h
+
+
+def attention_core_fraction(
+    config: ModelConfig, micro_batch_size: int, seq_len: int, tp_degree: int
+) -> float:
+    """The attention core's share (scores and values products) of a block's forward FLOPs: what a
+    selective recomputation reruns."""
+    b, s = micro_batch_size, seq_len
+    heads = config.num_heads // tp_degree
+    core = 2 * 2 * b * s * s * heads * config.head_dim * CAUSAL_ATTENTION_FRACTION
+    return core / forward_flops(config, "block", micro_batch_size, seq_len, tp_degree)
 
 
 def output_bytes_per_sample(config: ModelConfig, kind: str, seq_len: int, dtype: str) -> int:

@@ -10,7 +10,8 @@ roles swap. So a TP1 stage feeding a sequence-parallel TP4 stage sends each rece
 (s tokens in all, where four full copies went before), and a whole-holding TP A stage feeding a
 whole-needing TP B stage sends receiver j everything from rank j mod A.
 
-Torch-free: the cost model prices the bytes these routes move, the runtime posts exactly them.
+Torch-free: the runtime posts exactly these transfers, and tests/test_runtime_bytes.py holds the bytes
+on the sockets to them.
 """
 
 from dataclasses import dataclass
@@ -54,18 +55,3 @@ def routes(holds: list[tuple[int, int]], needs: list[tuple[int, int]]) -> list[T
 
 def stage_ranges(seq_len: int, tp_degree: int, sequence_parallel: bool) -> list[tuple[int, int]]:
     return [token_range(seq_len, tp_degree, r, sequence_parallel) for r in range(tp_degree)]
-
-
-def boundary_tokens(seq_len: int, front: tuple[int, bool], back: tuple[int, bool]) -> int:
-    """The most tokens (per sample of a micro-batch) that one rank sends or receives across a
-    boundary from a (TP degree, sequence parallel) front stage to a back stage, in the forward
-    exchange or the backward one: what paces the boundary's point-to-point time."""
-    front_ranges, back_ranges = stage_ranges(seq_len, *front), stage_ranges(seq_len, *back)
-    most = 0
-    for holders, needers in ((front_ranges, back_ranges), (back_ranges, front_ranges)):
-        sent, received = [0] * len(holders), [0] * len(needers)
-        for t in routes(holders, needers):
-            sent[t.src] += t.tokens
-            received[t.dst] += t.tokens
-        most = max(most, *sent, *received)
-    return most

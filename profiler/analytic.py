@@ -49,6 +49,9 @@ def analytic_profile(
                         bwd_s=bwd_s,
                         activation_bytes=analytic.activation_bytes(config, kind, mbs, seq_len, t, dtype),
                         fwd_flops=analytic.forward_flops(config, kind, mbs, seq_len, t),
+                        transient_bytes=analytic.backward_transient_bytes(
+                            config, kind, mbs, seq_len, t, dtype
+                        ),
                     )
                 )
         costs[kind] = tuple(rows)

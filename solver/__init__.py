@@ -38,6 +38,14 @@ Method, a decomposition (exact with respect to the cost model):
 Symmetry is used throughout: templates see per-run GPU counts, never device names; the master sees node
 classes, never nodes; nodes with equal healthy counts and GPUs of one node are interchangeable.
 
+Precision, sequence parallelism, recomputation: a plan trains in its profile's dtype; every stage of
+TP degree > 1 whose degree divides the sequence is sequence parallel (it moves the bytes of the
+all-reduces it replaces, keeps less and computes no more, so it never loses). Recomputation trades
+compute for memory, so each method searches once per mode of RECOMPUTE_PASSES with every stage in that
+mode; each answer then gives back the recomputation its stages do not need (`relax_recompute`: the
+lightest mode in which the stage still fits, which is never slower), and the fastest answer wins.
+
+
 Baselines (solver.baselines), each the best plan of its family under the same cost model: uniform,
 node-drop (Elastor's search on the fully healthy nodes) and pow2-greedy.
 """
@@ -49,7 +57,7 @@ from collections.abc import Sequence
 
 from costmodel import ClusterSpec, NodeSpec, Plan
 from costmodel.errors import ElastorError
-from costmodel.estimate import CostModel
+from costmodel.estimate import CostModel, in_flight
 from costmodel.profile import ModelProfile
 from solver import baselines
 from solver.core import Limits, Outcome, plan_limits, search, tp_degrees, usable_micro_batch_sizes
@@ -57,6 +65,7 @@ from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
+RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
 DEFAULT_TIME_LIMIT_S = 30.0
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
@@ -78,9 +87,36 @@ def solve(
     if global_batch_size < 1:
         raise ElastorError(f"The global batch size must be a positive integer, not {global_batch_size}.")
     sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
+    best = None  # (step time, plan, info)
+    passes = {}
+    for recompute in RECOMPUTE_PASSES:
+        found = _solve_pass(
+            profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, recompute
+        )
+        if found is None:
+            passes[recompute] = None
+            continue
+        plan, info = found
+        plan = relax_recompute(CostModel(profile, cluster), plan)
+        estimate = CostModel(profile, cluster).estimate(plan)
+        passes[recompute] = round(estimate.step_time_s, 6)
+        if best is None or estimate.step_time_s < best[0]:
+            best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
+    if best is None:
+        raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
+    _, plan, info = best
+    info["recompute_passes"] = passes  # predicted step time of each pass's answer (None: no plan)
+    info["wall_s"] = round(time.perf_counter() - started, 4)
+    return dataclasses.replace(plan, solver=info)
+
+
+def _solve_pass(
+    profile, cluster, gbs, method, sizes, time_limit_s, limits, recompute
+) -> tuple[Plan, dict] | None:
+    """The fastest plan of `method`'s family with every stage in `recompute`, and its solver block."""
     info: dict = {"method": method}
     if method == "elastor":
-        outcome = _elastor(profile, cluster, global_batch_size, sizes, time_limit_s, limits)
+        outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute)
         plan = outcome.plan
     elif method == "node-drop":
         healthy = fully_healthy(cluster)
@@ -89,17 +125,16 @@ def solve(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
                 f"has all {max(len(n.gpus) for n in cluster.nodes)} GPUs."
             )
-        outcome = _elastor(profile, healthy, global_batch_size, sizes, time_limit_s, limits)
+        outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, recompute)
         plan = outcome.plan
         info["nodes"] = [n.name for n in healthy.nodes]
     else:
         family = baselines.uniform if method == "uniform" else baselines.pow2_greedy
-        found = family(profile, cluster, global_batch_size, sizes)
+        found = family(profile, cluster, gbs, sizes, recompute)
         plan = found[1] if found else None
         outcome = None
     if plan is None:
-        raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
-    estimate = CostModel(profile, cluster).estimate(plan)
+        return None
     if outcome is not None:
         gap = (
             0.0 if outcome.proven else max(0.0, (outcome.objective_s - outcome.bound_s) / outcome.objective_s)
@@ -111,11 +146,29 @@ def solve(
             info["family"] = outcome.limits.to_json()
     else:
         info.update(status="OPTIMAL", gap=0.0)  # each baseline family is enumerated in full
-    info["wall_s"] = round(time.perf_counter() - started, 4)
-    return dataclasses.replace(plan, predicted=estimate.to_json(), solver=info)
+    return plan, info
 
 
-def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
+def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
+    """Each stage in the lightest recompute mode (none before selective before full) in which it still
+    fits in memory with the micro-batches 1F1B keeps in flight on it: never slower, same memory bound."""
+    pipelines = []
+    for pipe in plan.pipelines:
+        stages = []
+        for si, stage in enumerate(pipe.stages):
+            held = in_flight(si, len(pipe.stages), pipe.num_microbatches)
+            for mode in RECOMPUTE_PASSES[: RECOMPUTE_PASSES.index(stage.recompute)]:
+                lighter = dataclasses.replace(stage, recompute=mode)
+                cost = cm.stage_of(lighter, plan.micro_batch_size)
+                if sum(cost.memory_bytes(held).values()) <= cm.usable_memory_bytes:
+                    stage = lighter
+                    break
+            stages.append(stage)
+        pipelines.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))
+
+
+def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
     solved again with the faster baselines' pipelines among its templates. The node-drop baseline is
     one of them: a family of the search space is not closed under adding GPUs (on 255 full nodes and
@@ -123,16 +176,34 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
     lose to dropping the partial nodes."""
     started = time.perf_counter()
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
-    outcome = search(profile, cluster, gbs, micro_batch_sizes=sizes, time_limit_s=time_limit_s, limits=limits)
+    outcome = search(
+        profile,
+        cluster,
+        gbs,
+        micro_batch_sizes=sizes,
+        time_limit_s=time_limit_s,
+        limits=limits,
+        recompute=recompute,
+    )
     if (limits or plan_limits(profile, capacities)).complete:
         return outcome
-    found = [family(profile, cluster, gbs, sizes) for family in (baselines.uniform, baselines.pow2_greedy)]
+    found = [
+        family(profile, cluster, gbs, sizes, recompute)
+        for family in (baselines.uniform, baselines.pow2_greedy)
+    ]
     whole = fully_healthy(cluster)
     if whole is not None and len(whole.nodes) < len(capacities):
         # Clusters that differ only in their partial nodes drop to the same one: solve it once.
-        key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits)
+        key = (
+            json.dumps(whole.to_json(), sort_keys=True),
+            gbs,
+            tuple(sizes),
+            time_limit_s,
+            limits,
+            recompute,
+        )
         dropped = _DROPPED.get(
-            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits)
+            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, recompute)
         )
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
     seeds = [f for f in found if f and f[0] < outcome.objective_s * (1 - 1e-12)]
@@ -147,6 +218,7 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits) -> Outcome:
         time_limit_s=max(left, 0.0),
         limits=limits,
         seeds=[plan for _, plan in seeds],
+        recompute=recompute,
     )
 
 

@@ -22,7 +22,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from costmodel import ClusterSpec, Pipeline, Plan, Stage
+from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.estimate import CostModel, steady_period_s
 from costmodel.profile import ModelProfile
 from solver.core import sync, tp_degrees
@@ -55,21 +55,22 @@ def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Seq
     return slowest + sync(cm, len(nodes) > 1)(len(pipes), params) + optimizer
 
 
-def _plan(profile, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:
+def _plan(cm: CostModel, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:
     built = []
     for pipe, m in zip(pipes, counts, strict=True):
         stages = []
         for s, e, tp, node, first in pipe:
             n = cluster.nodes[node]
             stages.append(
-                Stage(layers=(s, e), devices=tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
+                cm.planned_stage((s, e), tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
             )
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
-        model=profile.model,
+        model=cm.profile.model,
         global_batch_size=gbs,
         micro_batch_size=mbs,
-        seq_len=profile.seq_len,
+        seq_len=cm.profile.seq_len,
+        dtype=cm.profile.dtype,
         pipelines=tuple(built),
     )
     return plan.validate(cluster)
@@ -89,12 +90,12 @@ def equal_split(num_blocks: int, stages: int) -> list[tuple[int, int]] | None:
 
 
 def uniform(
-    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int]
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], recompute: str = "none"
 ) -> tuple[float, Plan] | None:
     """Among the grids that fit (memory, and a global batch that splits evenly into DP x micro-batch
     size), those on the most GPUs, and of them the fastest: Megatron-style planners run TP x PP x DP
     = world size on the largest subset of the healthy GPUs that admits a grid."""
-    cm = CostModel(profile, cluster)
+    cm = CostModel(profile, cluster, recompute=recompute)
     model = profile.model
     best = None  # (-GPUs used, step time, plan parts): the most GPUs first, then the fastest
     for mbs in sizes:
@@ -121,7 +122,7 @@ def uniform(
     if best is None:
         return None
     _, cost, (mbs, pipes, counts) = best
-    return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
+    return cost, _plan(cm, cluster, gbs, mbs, pipes, counts)
 
 
 def balanced_split(
@@ -181,9 +182,9 @@ def pow2_groups(cluster: ClusterSpec, nominal: int, allowed: Sequence[int]) -> l
 
 
 def pow2_greedy(
-    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int]
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], recompute: str = "none"
 ) -> tuple[float, Plan] | None:
-    cm = CostModel(profile, cluster)
+    cm = CostModel(profile, cluster, recompute=recompute)
     L = profile.model.num_layers
     uniform_blocks = block_uniform(profile)
     best = None
@@ -227,7 +228,7 @@ def pow2_greedy(
     if best is None:
         return None
     cost, (mbs, pipes, counts) = best
-    return cost, _plan(profile, cluster, gbs, mbs, pipes, counts)
+    return cost, _plan(cm, cluster, gbs, mbs, pipes, counts)
 
 
 class _BalancedSplit:

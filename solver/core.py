@@ -233,6 +233,7 @@ def search(
     limits: Limits | None = None,
     upper_bound_s: float = math.inf,
     seeds: Sequence[Plan] = (),
+    recompute: str = "none",
 ) -> Outcome:
     """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan.
 
@@ -240,7 +241,7 @@ def search(
     so a bounded search never returns a plan slower than any of them.
     """
     started = time.perf_counter()
-    cm = CostModel(profile, cluster)
+    cm = CostModel(profile, cluster, recompute=recompute)
     tps = tp_degrees(profile, cluster)
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     limits = limits or plan_limits(profile, capacities)
@@ -291,5 +292,5 @@ def search(
     if best is None:
         return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates, limits)
     objective, mbs, result = best
-    plan = place(profile, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
+    plan = place(cm, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
     return Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)

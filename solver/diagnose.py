@@ -30,8 +30,9 @@ def infeasible_reason(
             f"The profile has no tensor-parallel degree that divides {model.name}'s {model.num_heads} "
             f"attention heads and {model.num_kv_heads} key/value heads and fits on a node of {largest} GPUs."
         )
-    cm = CostModel(profile, cluster)
-    state_bytes = model.param_count * STATE_WORDS_PER_PARAM * FP32_BYTES
+    cm = CostModel(profile, cluster, recompute="full")  # the most memory any plan can save
+    masters = 0 if profile.bytes_per_param == FP32_BYTES else profile.bytes_per_param
+    state_bytes = model.param_count * (STATE_WORDS_PER_PARAM * FP32_BYTES + masters)
     needed = math.ceil(state_bytes / cm.usable_memory_bytes)
     if healthy < needed:
         return (
@@ -43,7 +44,7 @@ def infeasible_reason(
     names = model.layer_names()
     for i in range(model.num_layers):
         if all(tables[t].max_in_flight[i][i + 1] < 1 for t in tps):
-            need = min(sum(cm.stage(i, i + 1, t, mbs).memory_bytes(1).values()) for t in tps)
+            need = min(sum(cm.planned(i, i + 1, t, mbs).memory_bytes(1).values()) for t in tps)
             return (
                 f"Layer {names[i]} of {model.name} alone needs {need / GIB:.1f} GiB per GPU even at TP "
                 f"{max(tps)} with one micro-batch of {mbs}, more than the {cm.usable_memory_bytes / GIB:.1f} "

@@ -9,13 +9,13 @@ faster than the master assumed.
 from collections import defaultdict
 from collections.abc import Sequence
 
-from costmodel import ClusterSpec, Pipeline, Plan, Stage
-from costmodel.profile import ModelProfile
+from costmodel import ClusterSpec, Pipeline, Plan
+from costmodel.estimate import CostModel
 from solver.templates import Template
 
 
 def place(
-    profile: ModelProfile,
+    cm: CostModel,
     cluster: ClusterSpec,
     global_batch_size: int,
     micro_batch_size: int,
@@ -48,13 +48,14 @@ def place(
             node, offset = where[run]
             devices = tuple(f"{node.name}:{g}" for g in node.gpus[offset : offset + tp])
             where[run][1] = offset + tp
-            stages.append(Stage(layers=(start, end), devices=devices))
+            stages.append(cm.planned_stage((start, end), devices))
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
-        model=profile.model,
+        model=cm.profile.model,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
-        seq_len=profile.seq_len,
+        seq_len=cm.profile.seq_len,
+        dtype=cm.profile.dtype,
         pipelines=tuple(built),
     )
     return plan.validate(cluster)

@@ -1,12 +1,14 @@
 """The cost model's stage costs for every layer range at once, as tables the planner can index fast.
 
-`CostModel.stage(start, end, tp, mbs)` builds one `StageCost` at a time; a planner looks at every range
+`CostModel.planned(start, end, tp, mbs)` builds one `StageCost` at a time (sequence parallel where the
+TP degree divides the sequence, in the cost model's recompute mode); a planner looks at every range
 [s, e) of the layer list (3,403 of them for llama2-70b) at every TP degree. This module asks the cost
 model for the single-layer stages [i, i+1) only and combines them the way `CostModel._stage` does:
 times, TP collectives, activation bytes and parameters add up over layers, the transient working
 memory is the largest layer's, the boundary is the last layer's output. One exception: with tied
 embeddings a stage holding the head but not the embedding keeps a copy of the embedding, which the
 single-layer head stage counts, so the whole-model range [0, L) is taken from the cost model directly.
+What a stage receives and keeps of its input is its first layer's, of its output its last layer's.
 `tests/test_solver_stages.py` holds every entry equal to `CostModel.stage`.
 
 The combined fields are numpy arrays indexed [s, e], wrapped in a `StageCost` so that its own methods
@@ -65,7 +67,7 @@ def exchanges_s(
 def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     """A `StageCost` whose fields are [s, e] arrays over all ranges (entries with e <= s are 0)."""
     num_layers = cm.model.num_layers
-    singles = [cm.stage(i, i + 1, tp, mbs) for i in range(num_layers)]
+    singles = [cm.planned(i, i + 1, tp, mbs) for i in range(num_layers)]
 
     def summed(field: str) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum([float(getattr(c, field)) for c in singles])])
@@ -75,8 +77,12 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     for s in range(num_layers):
         transient[s, s + 1 :] = np.maximum.accumulate([c.transient_bytes for c in singles[s:]])
     boundary = np.array([0.0] + [float(c.boundary_bytes) for c in singles])
+    # what a stage [s, e) receives and keeps of its input is its first layer's, of its output its last's
+    received = np.array([float(c.input_bytes) for c in singles] + [0.0])
+    input_kept = np.array([float(c.input_kept_bytes) for c in singles] + [0.0])
+    output_kept = np.array([0.0] + [float(c.output_kept_bytes) for c in singles])
     params, optimizer = summed("param_count"), summed("optimizer_s")
-    whole = cm.stage(0, num_layers, tp, mbs)
+    whole = cm.planned(0, num_layers, tp, mbs)
     params[0, num_layers], optimizer[0, num_layers] = whole.param_count, whole.optimizer_s
     return StageCost(
         start=0,
@@ -91,6 +97,12 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         transient_bytes=transient,
         boundary_bytes=np.broadcast_to(boundary[None, :], (num_layers + 1, num_layers + 1)),
         optimizer_s=optimizer,
+        input_bytes=np.broadcast_to(received[:, None], (num_layers + 1, num_layers + 1)),
+        input_kept_bytes=np.broadcast_to(input_kept[:, None], (num_layers + 1, num_layers + 1)),
+        output_kept_bytes=np.broadcast_to(output_kept[None, :], (num_layers + 1, num_layers + 1)),
+        dtype_bytes=whole.dtype_bytes,
+        sequence_parallel=whole.sequence_parallel,
+        recompute=whole.recompute,
     )
 
 
@@ -98,7 +110,7 @@ def stage_table(cm: CostModel, tp: int, mbs: int) -> StageTable:
     """The table of one TP degree and micro-batch size; it depends on the profile, the device and
     the links, not on the nodes, so clusters that differ only in their nodes share it."""
     cluster = cm.cluster.to_json()
-    key = (json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs)
+    key = (json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs, cm.recompute)
     return _BUILT.get((cm.profile,), key, lambda: _build(cm, tp, mbs))
 
 

@@ -13,14 +13,19 @@ memory); the best plan is then built and `CostModel.estimate` must agree with it
 
 Which GPUs of a node a stage gets does not matter to the cost model (it compares node names only), so
 a stage is listed by its node and the plan takes the node's GPUs in order.
+
+Stages are sequence parallel wherever they can be, as the solver builds them; recomputation is
+enumerated as the solver defines its space: once per mode with every stage in it, each best plan
+relaxed stage by stage (`solver.relax_recompute`), the fastest relaxed plan kept.
 """
 
 import math
 from dataclasses import dataclass
 
-from costmodel import ClusterSpec, Pipeline, Plan, Stage
+from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.estimate import CostModel, in_flight, pipeline_time_s
 from costmodel.profile import ModelProfile
+from solver import RECOMPUTE_PASSES, relax_recompute
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ def pipelines(cm: CostModel, capacities: list[int], tps: list[int], mbs: int, ma
 
 def _score(cm: CostModel, stages, usage, mbs: int, max_m: int) -> Candidate | None:
     p = len(stages)
-    costs = tuple(cm.stage(s, e, tp, mbs) for s, e, tp, _ in stages)
+    costs = tuple(cm.planned(s, e, tp, mbs) for s, e, tp, _ in stages)
     for i, c in enumerate(costs):  # memory with p - i micro-batches in flight (any m >= p)
         if sum(c.memory_bytes(in_flight(i, p, p)).values()) > cm.usable_memory_bytes:
             return None
@@ -70,7 +75,22 @@ def best_plan(
     profile: ModelProfile, cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]
 ) -> tuple[float, Plan | None]:
     """The fastest plan of the whole search space, by enumeration: (step time, plan)."""
-    cm = CostModel(profile, cluster)
+    best: tuple[float, Plan | None] = (math.inf, None)
+    for recompute in RECOMPUTE_PASSES:
+        score, plan = _best_plan_in(
+            CostModel(profile, cluster, recompute=recompute), cluster, global_batch_size, micro_batch_sizes
+        )
+        if plan is not None:
+            plan = relax_recompute(CostModel(profile, cluster), plan)
+            score = CostModel(profile, cluster).estimate(plan).step_time_s
+        if score < best[0]:
+            best = (score, plan)
+    return best
+
+
+def _best_plan_in(cm: CostModel, cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]):
+    """The fastest plan with every stage in `cm.recompute`."""
+    profile = cm.profile
     model = profile.model
     capacities = [len(n.gpus) for n in cluster.nodes]
     tps = [
@@ -85,7 +105,7 @@ def best_plan(
         N = global_batch_size // mbs
         score, chosen, counts = _best_multiset(cm, pipelines(cm, capacities, tps, mbs, N), capacities, N)
         if score < best[0]:
-            best = (score, _plan(profile, cluster, global_batch_size, mbs, chosen, counts))
+            best = (score, _plan(cm, cluster, global_batch_size, mbs, chosen, counts))
     return best
 
 
@@ -133,7 +153,7 @@ def _best_split(cm: CostModel, chosen: list[Candidate], N: int) -> tuple[float, 
     return best
 
 
-def _plan(profile, cluster, global_batch_size, mbs, chosen: list[Candidate], counts: list[int]) -> Plan:
+def _plan(cm: CostModel, cluster, global_batch_size, mbs, chosen: list[Candidate], counts: list[int]) -> Plan:
     taken = [0] * len(cluster.nodes)
     pipes = []
     for c, m in zip(chosen, counts, strict=True):
@@ -141,12 +161,13 @@ def _plan(profile, cluster, global_batch_size, mbs, chosen: list[Candidate], cou
         for start, end, tp, node in c.stages:
             name, gpus = cluster.nodes[node].name, cluster.nodes[node].gpus[taken[node] : taken[node] + tp]
             taken[node] += tp
-            stages.append(Stage(layers=(start, end), devices=tuple(f"{name}:{g}" for g in gpus)))
+            stages.append(cm.planned_stage((start, end), tuple(f"{name}:{g}" for g in gpus)))
         pipes.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     return Plan(
-        model=profile.model,
+        model=cm.profile.model,
         global_batch_size=global_batch_size,
         micro_batch_size=mbs,
-        seq_len=profile.seq_len,
+        seq_len=cm.profile.seq_len,
+        dtype=cm.profile.dtype,
         pipelines=tuple(pipes),
     )

@@ -33,7 +33,7 @@ def test_stage_table_matches_the_cost_model_on_every_range(config, tp, mbs):
     table = stage_table(cm, tp, mbs)
     L = config.num_layers
     for s, e in itertools.combinations(range(L + 1), 2):
-        cost = cm.stage(s, e, tp, mbs)
+        cost = cm.planned(s, e, tp, mbs)
         assert table.time_s[s][e] == pytest.approx(cost.fwd_s + cost.bwd_s, rel=1e-12)
         assert table.params[s][e] == cost.param_count
         assert table.optimizer_s[s][e] == pytest.approx(cost.optimizer_s, rel=1e-12)
@@ -202,7 +202,7 @@ def test_skeleton_split_is_priced_like_the_cost_model(p70):
     assert template.stages[0][0] == 0 and template.stages[-1][1] == p70.model.num_layers
     # The stage times and memory the split assumed are the cost model's.
     for s, (start, end, tp) in enumerate(template.stages):
-        cost = cm.stage(start, end, tp, 1)
+        cost = cm.planned(start, end, tp, 1)
         assert sum(cost.memory_bytes(len(tps) - s).values()) <= cm.usable_memory_bytes
         assert cost.fwd_s + cost.bwd_s <= template.bottleneck_s * (1 + 1e-12)
 
@@ -248,9 +248,11 @@ def test_a_partial_node_never_makes_elastor_slower_than_dropping_it():
 
 
 def test_a_node_more_never_plans_slower_when_the_batch_is_small_for_the_cluster():
-    """512 micro-batches on 256 nodes want few, deep pipelines (23 of 9 nodes and 7 of 7, TP 8 each):
-    without single-group whole-node skeletons deeper than twice the smallest pipeline, 256 nodes
-    planned 0.07% slower than 255 (232.4 against 232.6 samples/s)."""
+    """512 micro-batches on 256 nodes wanted few, deep pipelines (23 of 9 nodes and 7 of 7, TP 8 each)
+    before sequence parallelism and recomputation: without single-group whole-node skeletons deeper
+    than twice the smallest pipeline, 256 nodes planned 0.07% slower than 255 (232.4 against 232.6
+    samples/s). With both, the batch bounds the plan before the 256th node adds anything (246.4
+    samples/s on either); the node must still never make it slower."""
     p = analytic_profile(
         PRESETS["llama3-70b"], device_kind="H100-80GB", micro_batch_sizes=[1], tp_degrees=[1, 2, 4, 8],
         seq_len=4096,
@@ -259,7 +261,7 @@ def test_a_node_more_never_plans_slower_when_the_batch_is_small_for_the_cluster(
         n: solver.solve(p, ClusterSpec.from_counts([8] * n, "H100-80GB"), 512).predicted["samples_per_s"]
         for n in (255, 256)
     }
-    assert speed[256] > speed[255] * 1.01
+    assert speed[256] >= speed[255]
 
 
 def test_skeletons_of_one_tp_group_per_node_go_deeper():

@@ -1,0 +1,110 @@
+"""What a rank's training really allocates, by kind: the measurement beside the cost model's prediction.
+
+Static kinds are read off the trainer's tensors, each distinct storage once: `parameters_bytes` (the
+module's parameters, and the fp32 masters of a bf16 plan), `gradients_bytes` (the fp32 main
+gradients, with the gradient sync's flat buffers they live in) and `optimizer_bytes` (AdamW's
+moments and step counts). `activations_peak_bytes` is the highest level, above what was allocated
+when the step began, that the step's own allocations reach: everything a step creates and frees
+(saved activations of the micro-batches in flight, received and sent boundary pieces, recomputed
+blocks, collective buffers, 16-bit gradients before they reach the main gradient, the optimizer's
+temporaries). On CUDA that is the caching allocator's `max_memory_allocated`; on a CPU, where torch
+keeps no such counter, `LiveBytes` counts it: a `TorchDispatchMode` that sees every tensor every
+operator returns, registers each new storage with its size (outputs that the operator's schema marks
+as aliases, views and in-place results, are not new) and notices, through a weak reference, when
+it is freed. Tensors made outside the dispatcher (a collective's internal buffers in gloo or
+NCCL) are not seen on a CPU; the allocator sees NCCL's on CUDA.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+KINDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_peak_bytes")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created under this mode that are still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # data pointer -> (weak ref, bytes)
+        self.current = self.peak = 0
+
+    def _sweep(self) -> None:
+        for ptr in [p for p, (ref, _) in self._live.items() if ref.expired()]:
+            self.current -= self._live.pop(ptr)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or an in-place result: no new storage
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr and ptr not in self._live and storage.nbytes():
+                    self._live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def distinct_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredMemory:
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_peak_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(getattr(self, k) for k in KINDS)
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, k) for k in KINDS]
+
+
+def static_bytes(trainer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) bytes the trainer holds between steps."""
+    precision = trainer.precision
+    params = distinct_bytes(
+        [*precision.model_params.values(), *(precision.masters.values() if precision.mixed else [])]
+    )
+    grads = distinct_bytes(
+        [m.grad for m in precision.masters.values()] + [b.buffer for b in trainer.sync.buckets]
+    )
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return params, grads, distinct_bytes(state)
+
+
+def measure_step(trainer):
+    """Run one training step and return (its StepResult, this rank's MeasuredMemory)."""
+    if trainer.ctx.is_cuda:
+        torch.cuda.synchronize(trainer.ctx.device)
+        before = torch.cuda.memory_allocated(trainer.ctx.device)
+        torch.cuda.reset_peak_memory_stats(trainer.ctx.device)
+        result = trainer.train_step()
+        torch.cuda.synchronize(trainer.ctx.device)
+        peak = torch.cuda.max_memory_allocated(trainer.ctx.device) - before
+    else:
+        with LiveBytes() as live:
+            result = trainer.train_step()
+        peak = live.peak
+    params, grads, optimizer = static_bytes(trainer)
+    return result, MeasuredMemory(
+        parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, activations_peak_bytes=peak
+    )
