@@ -1,4 +1,12 @@
-"""Predicted vs measured activation memory per layer shard, on CPU.
+"""Predicted vs measured memory: per device in real training steps, and per layer shard, on CPU.
+
+Runtime (the first table): plans of every dtype x sequence parallelism x recompute combination
+train two steps under torchrun (`elastor train`, gloo, one process per device); the runtime's
+`memory` event holds each device's measured bytes by kind (runtime/memory.py: the storages the
+step's operators really allocate, seen by a dispatch mode) beside the cost model's prediction for
+the same device (`runtime.memory.predicted_memory`). Target: no device's measured peak above its
+prediction (a step's peak over everything it holds: parameters, masters, gradients, optimizer
+state, and the step's own allocations).
 
 Predicted: `costmodel.analytic.activation_bytes`, the formula the analytic profiles and the cost
 model use. Measured: the bytes of the distinct storages autograd saves for backward when TP rank 0's
@@ -15,14 +23,18 @@ is none beyond 2%.
 """
 
 import argparse
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from costmodel.analytic import activation_bytes
 from costmodel.config import PRESETS, ModelConfig
 from costmodel.jsonio import write_json
 from costmodel.table import format_table
 from profiler.memory import measured_activation_bytes, measured_stage_activation_bytes
+from runtime.elastic.launch import run_local_torchrun
 
 UNDER_PREDICTION_LIMIT = 0.02
 
@@ -66,6 +78,109 @@ STAGES = [
 
 def model(name: str) -> ModelConfig:
     return GQA_UNEVEN if name == GQA_UNEVEN.name else PRESETS[name]
+
+
+def _plan(model_name, pipelines, *, dtype="float32", micro_batch_size=2, seq_len=48) -> dict:
+    """A plan from [(micro-batches, [((start, end), devices, {stage fields}), ...]), ...]."""
+    config = model(model_name)
+    return {
+        "schema_version": 1,
+        "model": config.to_json(),
+        "global_batch_size": sum(m for m, _ in pipelines) * micro_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "pipelines": [
+            {
+                "num_microbatches": m,
+                "stages": [
+                    {"layers": list(layers), "devices": devices, **fields}
+                    for layers, devices, fields in stages
+                ],
+            }
+            for m, stages in pipelines
+        ],
+    }
+
+
+SP, FULL, SELECTIVE = {"sequence_parallel": True}, {"recompute": "full"}, {"recompute": "selective"}
+# (name, plan): every dtype, SP on and off, each recompute mode, one to three stages, TP 1-3,
+# two pipelines, tied embeddings with grouped-query attention.
+RUNTIME_PLANS = [
+    (f"{name} {dtype}", _plan(m, pipes, dtype=dtype))
+    for dtype in ("float32", "bfloat16")
+    for name, m, pipes in [
+        ("one device", "gpt-tiny", [(3, [((0, 6), ["n0:0"], {})])]),
+        ("one device, full", "gpt-tiny", [(3, [((0, 6), ["n0:0"], FULL)])]),
+        (
+            "2 stages, selective",
+            "gpt-tiny",
+            [(4, [((0, 3), ["n0:0"], SELECTIVE), ((3, 6), ["n0:1"], SELECTIVE)])],
+        ),
+        ("TP2", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {})])]),
+        ("TP2 SP, full", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **FULL})])]),
+        (
+            "TP1 > TP2 SP full > TP3 SP selective",
+            "gpt-tiny",
+            [
+                (
+                    4,
+                    [
+                        ((0, 2), ["n0:0"], {}),
+                        ((2, 4), ["n0:1", "n0:2"], {**SP, **FULL}),
+                        ((4, 6), ["n0:3", "n0:4", "n0:5"], {**SP, **SELECTIVE}),
+                    ],
+                )
+            ],
+        ),
+        (
+            "2 pipelines TP2 SP + TP1 / TP1 full + TP2",
+            "gpt-tiny",
+            [
+                (3, [((0, 3), ["n0:0", "n0:1"], SP), ((3, 6), ["n0:2"], {})]),
+                (2, [((0, 2), ["n1:0"], FULL), ((2, 6), ["n1:1", "n1:2"], {})]),
+            ],
+        ),
+        (
+            "tied GQA, TP2 SP full beside a replica",
+            "gqa-uneven",
+            [(2, [((0, 4), ["n0:0", "n0:1"], {**SP, **FULL})]), (2, [((0, 4), ["n1:0"], {})])],
+        ),
+    ]
+]
+
+
+def validate_runtime(plans=RUNTIME_PLANS, *, steps: int = 2) -> list[dict]:
+    """Train each plan `steps` steps; one row per device with measured and predicted bytes."""
+    rows = []
+    for name, plan in plans:
+        with tempfile.TemporaryDirectory() as tmp:
+            plan_path, metrics = Path(tmp) / "plan.json", Path(tmp) / "metrics.jsonl"
+            plan_path.write_text(json.dumps(plan))
+            nproc = sum(len(st["devices"]) for p in plan["pipelines"] for st in p["stages"])
+            args = ["-m", "elastor", "train", "--plan", str(plan_path), "--steps", str(steps)]
+            code, out = run_local_torchrun(
+                nproc, [*args, "--metrics", str(metrics), "--device", "cpu"], timeout_s=300
+            )
+            if code != 0:
+                raise RuntimeError(f"{name}: elastor train failed:\n{out[-3000:]}")
+            event = next(
+                r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "memory"
+            )
+        for device, entry in event["devices"].items():
+            rows.append(
+                {
+                    "plan": name,
+                    "device": device,
+                    "measured": {k: entry[k] for k in entry["predicted"]},
+                    "predicted": entry["predicted"],
+                    "measured_bytes": entry["measured_total_bytes"],
+                    "predicted_bytes": entry["predicted_total_bytes"],
+                    "error": (entry["predicted_total_bytes"] - entry["measured_total_bytes"])
+                    / entry["measured_total_bytes"],
+                }
+            )
+    return rows
 
 
 def _row(**fields) -> dict:
@@ -128,6 +243,15 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/memory_validation.json", help="JSON results")
     args = parser.parse_args()
     started = time.perf_counter()
+    runtime = validate_runtime()
+    print(
+        _report(
+            "training step, per device (peak over all kinds)",
+            runtime,
+            lambda r: f"{r['plan']} {r['device']}",
+        )
+    )
+    print()
     rows, stages = validate(), validate_stages()
     print(
         _report(
@@ -153,6 +277,12 @@ def main() -> int:
     every = rows + stages
     under = [r for r in every if r["error"] < -UNDER_PREDICTION_LIMIT]
     worst = max(abs(r["error"]) for r in every)
+    runtime_under = [r for r in runtime if r["error"] < 0]
+    print(
+        f"{len({r['plan'] for r in runtime})} plans on {len(runtime)} devices: {len(runtime_under)} "
+        f"under-predicted, error {100 * min(r['error'] for r in runtime):+.1f}% .. "
+        f"{100 * max(r['error'] for r in runtime):+.1f}%"
+    )
     print(
         f"{len(rows)} layer shards and {len(stages)} stages: {len(under)} under-predicted beyond "
         f"{UNDER_PREDICTION_LIMIT:.0%}, largest |error| {100 * worst:.2f}%, "
@@ -165,12 +295,14 @@ def main() -> int:
             "under_prediction_limit": UNDER_PREDICTION_LIMIT,
             "under_predictions": len(under),
             "max_abs_error": worst,
+            "runtime_under_predictions": len(runtime_under),
+            "runtime": runtime,
             "rows": rows,
             "stages": stages,
         },
     )
     print(f"wrote {args.out}")
-    return 1 if under else 0
+    return 1 if under or runtime_under else 0
 
 
 if __name__ == "__main__":

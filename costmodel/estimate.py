@@ -109,6 +109,7 @@ class StageCost:
     boundary_bytes: int  # the output this rank holds per micro-batch (its slice under SP)
     optimizer_s: float
     input_bytes: int = 0  # the input this rank receives per micro-batch
+    param_tensors: int = 0  # parameter tensors this device holds (each has an AdamW step count)
     # Per micro-batch in flight, what the schedule holds besides the layers' activations: the output
     # it sent (kept for its backward) and the received input where no layer keeps it already.
     input_kept_bytes: int = 0
@@ -138,7 +139,7 @@ class StageCost:
         return {
             "params": self.param_count * (self.dtype_bytes + masters),
             "grads": self.param_count * FP32_BYTES,
-            "optimizer": 2 * self.param_count * FP32_BYTES,
+            "optimizer": 2 * self.param_count * FP32_BYTES + self.param_tensors * FP32_BYTES,
             "activations": (self.activation_bytes + self.input_kept_bytes + self.output_kept_bytes)
             * in_flight,
             "comm_buffers": sync + 2 * (self.boundary_bytes + self.input_bytes),
@@ -329,7 +330,8 @@ class CostModel:
             plain = analytic.activation_bytes(*args)
             mine = analytic.activation_bytes(*args, sp, mode)
             activations += -(-c.activation_bytes * mine // plain) if plain else c.activation_bytes
-            layer_grads = model.layer_param_count(i) * dt if dt != FP32_BYTES else 0  # before the main grad
+            # autograd makes each parameter's gradient anew before adding it into the main gradient
+            layer_grads = analytic.shard_param_count(model, kind, tp) * dt
             transient = max(
                 transient,
                 c.transient_bytes + analytic.recompute_transient_bytes(*args, sp, mode) + layer_grads,
@@ -364,6 +366,7 @@ class CostModel:
             boundary_bytes=output_bytes,
             optimizer_s=optimizer_s,
             input_bytes=input_bytes,
+            param_tensors=len(stage_params(model, start, end)),
             input_kept_bytes=0 if first_keeps_input else input_bytes,
             output_kept_bytes=output_bytes,
             dtype_bytes=dt,

@@ -146,11 +146,16 @@ def _runs(dim: int, mask: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def owned_square_sum(params: dict[str, torch.nn.Parameter], regions: dict[str, list]) -> torch.Tensor:
-    """Sum of squared gradient elements this rank owns (fp32)."""
-    total = torch.zeros((), dtype=torch.float32, device=next(iter(params.values())).device)
-    for name, runs in regions.items():
-        grad = params[name].grad
-        for dim, start, stop in runs:
-            part = grad if dim < 0 else grad.narrow(dim, start, stop - start)
-            total += part.float().pow(2).sum()
-    return total
+    """Sum of squared gradient elements this rank owns (fp32), by `torch._foreach_norm` over the owned
+    parts (one kernel for all of them, no squared copy of any gradient)."""
+    device = next(iter(params.values())).device
+    parts = [
+        grad if dim < 0 else grad.narrow(dim, start, stop - start)
+        for name, runs in regions.items()
+        for grad in (params[name].grad,)
+        for dim, start, stop in runs
+    ]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(parts, 2)
+    return torch.stack(norms).float().pow(2).sum()

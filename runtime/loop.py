@@ -3,6 +3,10 @@
 `after_step(trainer, result)` runs after every step on every rank (the checkpoint plugs in here) and
 returns the seconds it blocked training, reported as `ckpt_stall_s`. `step_time_s` is the step's
 whole wall time on rank 0, stall included, and `samples_per_s` is the global batch over it.
+
+The first step this process runs is measured (runtime/memory.py): every rank's bytes by kind are
+gathered once, and rank 0 writes them beside the cost model's prediction as a `memory` event and
+prints the worst measured/predicted ratio of the peak.
 """
 
 import time
@@ -10,6 +14,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from runtime.memory import measure_step, memory_event
 from runtime.metrics import MetricsWriter
 from runtime.trainer import StepResult, Trainer
 
@@ -43,7 +48,11 @@ def train(
     try:
         while trainer.step < until_step:
             start = time.perf_counter()
-            result = trainer.train_step()
+            if results:
+                result = trainer.train_step()
+            else:
+                result, measured = measure_step(trainer)
+                event = memory_event(trainer, measured)
             stall = after_step(trainer, result) if after_step else 0.0
             elapsed = time.perf_counter() - start
             results.append(result)
@@ -58,6 +67,13 @@ def train(
                         "lr": result.lr,
                         "grad_norm": result.grad_norm,
                     }
+                )
+            if len(results) == 1 and event is not None:
+                if metrics:
+                    metrics.event("memory", step=result.step, **event)
+                bar.write(
+                    f"memory: worst measured/predicted peak {event['worst_measured_over_predicted']:.3f} "
+                    f"({event['method']})"
                 )
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}")

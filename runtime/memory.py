@@ -10,7 +10,8 @@ blocks, collective buffers, 16-bit gradients before they reach the main gradient
 temporaries). On CUDA that is the caching allocator's `max_memory_allocated`; on a CPU, where torch
 keeps no such counter, `LiveBytes` counts it: a `TorchDispatchMode` that sees every tensor every
 operator returns, registers each new storage with its size (outputs that the operator's schema marks
-as aliases, views and in-place results, are not new) and notices, through a weak reference, when
+as aliases, views and in-place results, and outputs in an input's storage, as the collectives' are,
+are not new) and notices, through a weak reference, when
 it is freed. Tensors made outside the dispatcher (a collective's internal buffers in gloo or
 NCCL) are not seen on a CPU; the allocator sees NCCL's on CUDA.
 """
@@ -42,11 +43,14 @@ class LiveBytes(TorchDispatchMode):
         self._sweep()
         if any(r.alias_info is not None for r in func._schema.returns):
             return out  # a view or an in-place result: no new storage
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in self._live and storage.nbytes():
+                if ptr and ptr not in self._live and ptr not in inputs and storage.nbytes():
                     self._live[ptr] = (StorageWeakRef(storage), storage.nbytes())
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
@@ -108,3 +112,74 @@ def measure_step(trainer):
     return result, MeasuredMemory(
         parameters_bytes=params, gradients_bytes=grads, optimizer_bytes=optimizer, activations_peak_bytes=peak
     )
+
+
+def predicted_memory(plan) -> dict[str, dict[str, int]]:
+    """The cost model's memory per device by the same kinds, from the analytic formulas of the plan's
+    model (a runtime has no profile; `benchmarks/memory_validation.py` holds both side by side):
+    parameters (16-bit copies and fp32 masters), main gradients with the sync's packing buffers,
+    AdamW state, and the step's peak above them (activations of the micro-batches in flight, the
+    boundary pieces of one exchange, the largest layer's transient)."""
+    from costmodel.cluster import ClusterSpec, DeviceSpec, LinkSpec, NodeSpec, parse_device
+    from costmodel.estimate import CostModel
+    from profiler.analytic import analytic_profile
+
+    tps = sorted({s.tp_degree for p in plan.pipelines for s in p.stages})
+    profile = analytic_profile(
+        plan.model,
+        device_kind="cpu",
+        micro_batch_sizes=[plan.micro_batch_size],
+        tp_degrees=tps,
+        seq_len=plan.seq_len,
+        dtype=plan.dtype,
+    )
+    gpus: dict[str, list[int]] = {}
+    for device in plan.devices:
+        node, gpu = parse_device(device)
+        gpus.setdefault(node, []).append(gpu)
+    cluster = ClusterSpec(
+        device=DeviceSpec(kind="cpu", memory_bytes=1 << 60, peak_flops=1e12),  # memory only: no bound
+        nodes=tuple(NodeSpec(name=n, gpus=tuple(g)) for n, g in gpus.items()),
+        links=LinkSpec(intra_node_gbps=1.0, inter_node_gbps=1.0),
+    )
+    predicted = {}
+    for stage in CostModel(profile, cluster).estimate(plan).stages:
+        m = stage.memory
+        sync_extra = m["comm_buffers"] - 2 * (stage.cost.boundary_bytes + stage.cost.input_bytes)
+        for device in stage.devices:
+            predicted[device] = {
+                "parameters_bytes": m["params"],
+                "gradients_bytes": m["grads"] + sync_extra,
+                "optimizer_bytes": m["optimizer"],
+                "activations_peak_bytes": m["activations"] + m["comm_buffers"] - sync_extra + m["transient"],
+            }
+    return predicted
+
+
+def memory_event(trainer, measured: MeasuredMemory) -> dict | None:
+    """Gather every rank's measurement (a collective: every rank calls it) and, on rank 0, the
+    `memory` event's fields: per device its measured bytes by kind, the prediction beside them, and
+    the worst measured/predicted ratio of the peak. None on the other ranks."""
+    import torch.distributed as dist
+
+    ctx = trainer.ctx
+    mine = torch.tensor(measured.as_list(), dtype=torch.int64, device=ctx.device)
+    every = torch.zeros((ctx.world_size, len(KINDS)), dtype=torch.int64, device=ctx.device)
+    dist.all_gather_into_tensor(every, mine.unsqueeze(0))
+    if ctx.rank != 0:
+        return None
+    predicted = predicted_memory(trainer.plan)
+    devices, worst = {}, 0.0
+    for rank, row in enumerate(every.tolist()):
+        device = trainer.plan.devices[rank]
+        entry = dict(zip(KINDS, row, strict=True))
+        entry["predicted"] = predicted[device]
+        total, expected = sum(row), sum(predicted[device].values())
+        entry["measured_total_bytes"], entry["predicted_total_bytes"] = total, expected
+        worst = max(worst, total / expected)
+        devices[device] = entry
+    return {"devices": devices, "worst_measured_over_predicted": worst, "method": _method(ctx)}
+
+
+def _method(ctx) -> str:
+    return "cuda-allocator" if ctx.is_cuda else "dispatch-mode live storages"

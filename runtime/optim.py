@@ -51,7 +51,11 @@ class OptimConfig:
 
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over named parameters: decay for matrices, none for norm weights (1-D)."""
+    """AdamW over named parameters: decay for matrices, none for norm weights (1-D).
+
+    torch's fused implementation (one kernel over all tensors, on CUDA and on CPU): the for-each and
+    per-tensor ones make parameter-sized temporaries (the square root of the second moment, the
+    update), which would be a step's memory peak on a stage of few activations."""
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
     groups = [
@@ -59,11 +63,15 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], config: OptimConfig) 
         {"params": no_decay, "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        fused=True,
     )
     for p in params.values():  # AdamW's own zero state, made up front so a checkpoint at step 0 has it
         optimizer.state[p] = {
-            "step": torch.tensor(0.0),
+            "step": torch.tensor(0.0, device=p.device),  # the fused kernel reads it where it runs
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }

@@ -92,7 +92,7 @@ class PipelineSchedule:
         # (sends, receives) of activations forward and of their gradients backward.
         (_, self.recv_fwd), (self.send_bwd, _) = before or (no_links, no_links)
         (self.send_fwd, _), (_, self.recv_bwd) = after or (no_links, no_links)
-        self.bytes_sent = 0  # point-to-point payload this rank has sent
+        self.bytes_sent = self.messages_sent = 0  # point-to-point payload and messages this rank sent
 
     # ---- point-to-point ------------------------------------------------------------------------
     def _exchange(self, send: torch.Tensor | None, to: list, receive: list) -> torch.Tensor | None:
@@ -104,6 +104,7 @@ class PipelineSchedule:
                 piece = send[:, lo:hi].contiguous()
                 ops.append(dist.P2POp(dist.isend, piece, peer))
                 self.bytes_sent += piece.numel() * piece.element_size()
+                self.messages_sent += 1
         pieces = []
         for peer, lo, hi in receive:
             pieces.append(

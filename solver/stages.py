@@ -81,9 +81,10 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     received = np.array([float(c.input_bytes) for c in singles] + [0.0])
     input_kept = np.array([float(c.input_kept_bytes) for c in singles] + [0.0])
     output_kept = np.array([0.0] + [float(c.output_kept_bytes) for c in singles])
-    params, optimizer = summed("param_count"), summed("optimizer_s")
+    params, optimizer, tensors = summed("param_count"), summed("optimizer_s"), summed("param_tensors")
     whole = cm.planned(0, num_layers, tp, mbs)
     params[0, num_layers], optimizer[0, num_layers] = whole.param_count, whole.optimizer_s
+    tensors[0, num_layers] = whole.param_tensors
     return StageCost(
         start=0,
         end=num_layers,
@@ -98,6 +99,7 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         boundary_bytes=np.broadcast_to(boundary[None, :], (num_layers + 1, num_layers + 1)),
         optimizer_s=optimizer,
         input_bytes=np.broadcast_to(received[:, None], (num_layers + 1, num_layers + 1)),
+        param_tensors=tensors,
         input_kept_bytes=np.broadcast_to(input_kept[:, None], (num_layers + 1, num_layers + 1)),
         output_kept_bytes=np.broadcast_to(output_kept[None, :], (num_layers + 1, num_layers + 1)),
         dtype_bytes=whole.dtype_bytes,

@@ -178,6 +178,7 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--save-at", type=int, default=-1, help="save the full state after this step")
     p.add_argument("--resume-from", help="a --save-at state directory, saved under any plan")
+    p.add_argument("--measure-p2p", action="store_true", help="count the pipeline exchanges' socket bytes")
     args = p.parse_args(argv)
 
     marks = {"imported": time.time()}
@@ -187,6 +188,8 @@ def _worker(argv: list[str]) -> int:
     trainer = Trainer(plan, ctx, optim=OptimConfig(**PARITY_OPTIM), seed=0, timeout_s=args.timeout_s)
     marks["built"] = time.time()
     out = Path(args.out)
+    if args.measure_p2p:
+        _count_exchange_bytes(trainer.schedule, out / f"p2p{ctx.rank}.json")
 
     if args.resume_from:
         resume = Path(args.resume_from)
@@ -209,7 +212,12 @@ def _worker(argv: list[str]) -> int:
             _save(t, out / "state", ctx.rank, with_optim=True)
         return 0.0
 
-    results = train(trainer, until_step=args.steps, after_step=after_step, progress=False)
+    from runtime.metrics import MetricsWriter
+
+    metrics = MetricsWriter(out / "metrics.jsonl") if ctx.rank == 0 else None
+    results = train(trainer, until_step=args.steps, metrics=metrics, after_step=after_step, progress=False)
+    if metrics:
+        metrics.close()
     marks["trained"] = time.time()
     trainer.close()
     _save(trainer, out, ctx.rank, with_optim=False)
@@ -221,6 +229,30 @@ def _worker(argv: list[str]) -> int:
 
     dist.destroy_process_group()
     return 0
+
+
+def _proc_wchar() -> int:
+    """Bytes this process has written (Linux; gloo's sockets included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def _count_exchange_bytes(schedule, where: Path) -> None:
+    """Wrap the schedule's exchanges: the bytes this process writes while each one runs (every send of
+    an exchange is waited for inside it) and the payload it posts; saved after every exchange."""
+    exchange = schedule._exchange
+    counts = {"socket_bytes": 0, "exchanges": 0}
+
+    def counted(*args):
+        before = _proc_wchar()
+        received = exchange(*args)
+        counts["socket_bytes"] += _proc_wchar() - before
+        counts["exchanges"] += 1
+        counts["payload_bytes"], counts["messages"] = schedule.bytes_sent, schedule.messages_sent
+        where.write_text(json.dumps(counts))
+        return received
+
+    schedule._exchange = counted
 
 
 def _save(trainer, where: Path, rank: int, *, with_optim: bool) -> None:
