@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_helpers import REPO, launch, plan_json, run_env, torchrun
 
-from costmodel import PRESETS, ModelConfig
+from costmodel import PRESETS, ModelConfig, Plan
 from runtime.optim import OptimConfig
 from runtime.reference import train_reference
 
@@ -51,8 +51,16 @@ def test_train_under_torchrun_writes_metrics_and_matches_the_reference(tmp_path)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["event"] == "start" and records[-1]["event"] == "done"
     assert all(isinstance(r["time_s"], float) for r in (records[0], records[-1]))
-    steps = records[1:-1]
+    steps = [r for r in records if "event" not in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # after the first step, one memory event: every device measured by kind, the prediction beside it
+    (memory,) = [r for r in records if r.get("event") == "memory"]
+    assert memory["step"] == 1 and set(memory["devices"]) == set(Plan.from_json(PLAN).devices)
+    for entry in memory["devices"].values():
+        kinds = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_peak_bytes")
+        assert all(entry[k] > 0 and entry["predicted"][k] > 0 for k in kinds)
+    assert 0 < memory["worst_measured_over_predicted"] <= 1.0
+    assert "memory: worst measured/predicted peak" in result.stdout + result.stderr
     for r in steps:
         assert set(r) >= STEP_FIELDS
         assert r["step_time_s"] > 0 and r["samples_per_s"] > 0 and r["ckpt_stall_s"] == 0.0
