@@ -198,19 +198,23 @@ def backward_transient_bytes(
     config: ModelConfig, kind: str, micro_batch_size: int, seq_len: int, tp_degree: int, dtype: str
 ) -> int:
     """Working memory of one layer shard's forward and backward above what it keeps, for profiles
-    that do not measure it (the analytic ones). Measured on CPU (`profiler.memory`): the embedding's
-    backward makes a dense gradient of its V/t x h rows plus two (three with the out-of-shard mask)
-    hidden-sized gradients; the head's holds the fp32 softmax gradient of its V/t logits and the
-    logits' own. A block's is bounded by the gradients of everything it keeps alive at once plus its
-    output gradient (measured: 35-65% of that bound), which this takes: never below the truth."""
+    that do not measure it (the analytic ones). Every layer: its parameters' gradients, which autograd
+    makes anew before adding them to the accumulated ones. Measured on CPU (`profiler.memory`): the
+    embedding's backward makes a dense gradient of its V/t x h rows (that one) plus two (three with
+    the out-of-shard mask) hidden-sized gradients; the head's holds the fp32 softmax gradient of its
+    V/t logits and the logits' own. A block's is bounded by the gradients of everything it keeps
+    alive at once plus its output gradient (measured: 35-65% of that bound), which this takes:
+    never below the truth."""
     b, s, h = micro_batch_size, seq_len, config.hidden_size
     dt = DTYPE_BYTES[dtype]
     _, _, _, vocab = _local(config, tp_degree)
     if kind == "embed":
         return vocab * h * dt + (3 if tp_degree > 1 else 2) * dt * b * s * h
+    grads = shard_param_count(config, kind, tp_degree) * dt
     if kind == "head":
-        return 2 * FP32_BYTES * b * s * vocab
-    return activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype) + dt * b * s * h
+        return grads + 2 * FP32_BYTES * b * s * vocab
+    kept = activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype)
+    return grads + kept + dt * b * s * h
 
 
 def attention_core_fraction(

@@ -330,8 +330,9 @@ class CostModel:
             plain = analytic.activation_bytes(*args)
             mine = analytic.activation_bytes(*args, sp, mode)
             activations += -(-c.activation_bytes * mine // plain) if plain else c.activation_bytes
-            # autograd makes each parameter's gradient anew before adding it into the main gradient
-            layer_grads = analytic.shard_param_count(model, kind, tp) * dt
+            # autograd makes each parameter's gradient anew before adding it into the main gradient;
+            # a measured or analytic transient has it already, a profile without one does not
+            layer_grads = 0 if c.transient_bytes else analytic.shard_param_count(model, kind, tp) * dt
             transient = max(
                 transient,
                 c.transient_bytes + analytic.recompute_transient_bytes(*args, sp, mode) + layer_grads,

@@ -35,6 +35,7 @@ from costmodel.profile import LayerCost, LayerProfile, ModelProfile
 from profiler import defaults
 from profiler.layers import KINDS, build_shard, example_input
 from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
+from runtime.memory import LiveBytes
 from runtime.grad_sync import owned_square_sum
 from runtime.optim import OptimConfig, build_optimizer
 
@@ -205,11 +206,18 @@ def _optimizer_s(shard: torch.nn.Module, device: str, warmup: int, repeats: int)
 
 
 def _activation(shard: torch.nn.Module, x: torch.Tensor, device: str) -> tuple[int, int]:
-    """(kept, transient) activation bytes of one step; transient is measured on CUDA only."""
+    """(kept, transient) activation bytes of one step: on CPU the storages autograd saves, and the
+    peak the step's live storages reach above them (runtime.memory.LiveBytes); on CUDA the allocator."""
+    targets = getattr(shard, "targets", None)
     if device != "cuda":
         _, kept = saved_tensor_bytes(shard, lambda: shard(x))
-        return kept, 0
-    targets = getattr(shard, "targets", None)
+        with LiveBytes() as live:
+            if targets is not None:
+                shard.targets = targets.clone()
+            out = shard(x.clone())
+            out.backward(torch.ones_like(out) if out.dim() else None)
+        x.grad = None
+        return kept, max(live.peak - kept, 0)
 
     def forward() -> torch.Tensor:
         # Fresh copies made inside the measurement: freed at once unless the layer keeps them.

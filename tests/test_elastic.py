@@ -6,6 +6,7 @@ weights and optimizer state within 1e-5 (runtime.elastic.demo.compare_runs).
 """
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from dist_helpers import launch
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
 from costmodel.jsonio import read_json, write_json
 from runtime.checkpoint import checkpoint_meta
-from runtime.compare import compare_runs
+from runtime.compare import compare_runs, full_state
 from runtime.elastic.report import read_metrics, recoveries
 from solver import solve
 
@@ -23,9 +24,7 @@ GLOBAL_BATCH, CKPT_EVERY = 8, 4
 RUN_TIMEOUT_S = 400
 
 
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
+def _profile(path: Path, dtype: str = "float32") -> Path:
     done = launch(
         [
             sys.executable,
@@ -37,6 +36,7 @@ def profile_path(tmp_path_factory) -> Path:
             "--seq-len=32",
             "--micro-batch-size=1,2",
             "--tp-degrees=1,2",
+            f"--dtype={dtype}",
             f"--out={path}",
             "--quiet",
         ],
@@ -44,6 +44,11 @@ def profile_path(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     return path
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    return _profile(tmp_path_factory.mktemp("profile") / "profile.json")
 
 
 def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
@@ -199,3 +204,34 @@ def _memory_for_four_gpus_but_not_three(profile: ModelProfile) -> int:
     if feasible(high, "2,1"):
         pytest.skip("with this profile, three GPUs fit wherever four do")
     return high
+
+
+@pytest.mark.slow
+def test_bf16_failure_reshard_and_scale_up_match_an_uninterrupted_bf16_run(tmp_path):
+    """The demo's story in bf16: a bf16 profile makes bf16 plans; the failure's re-plan and the
+    scale-up reshard the fp32 masters; the losses and final masters stay within the bf16 tolerance of
+    tests/test_runtime_precision.py (three times the spread of the single-process bf16 run under
+    reordered roundings) of an uninterrupted single-process bf16 run."""
+    from test_runtime_precision import bf16_reference
+
+    from runtime.optim import OptimConfig
+
+    steps = 12
+    profile = _profile(tmp_path / "profile.json", "bfloat16")
+    done = _run(tmp_path, profile, "2,2", steps, "--inject-failure=n1:1@6", "--inject-recovery=n1:1@9")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
+    assert [len(p.devices) for p in plans] == [4, 3, 4] and {p.dtype for p in plans} == {"bfloat16"}
+    assert [r.kind for r in recoveries(records)] == ["failure", "scale-up"]
+    optim = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=10, decay_steps=steps, weight_decay=0.1)
+    ref_losses, ref_params, loss_rtol, param_atol = bf16_reference(
+        json.dumps(plans[0].model.to_json()), GLOBAL_BATCH, plans[0].seq_len, steps, optim
+    )
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, steps + 1))
+    for step, want in enumerate(ref_losses, start=1):
+        assert abs(losses[step] - want) <= loss_rtol * want, (step, losses[step], want, loss_rtol)
+    state = full_state(tmp_path / "ckpt")
+    for name, want in ref_params.items():
+        assert (state[name] - want).abs().max().item() <= param_atol, name

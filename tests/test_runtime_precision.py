@@ -106,10 +106,15 @@ BF16_PLANS = {
 }
 
 
-@functools.cache
-def bf16_reference(model_json: str, global_batch_size: int, seq_len: int):
+def bf16_reference(model_json: str, global_batch_size: int, seq_len: int, steps: int = STEPS, optim=None):
     """The single-process bf16 run and the tolerance its reorderings give: (losses, params, loss
     rtol, param atol)."""
+    optim = OptimConfig(**PARITY_OPTIM) if optim is None else optim
+    return _bf16_reference(model_json, global_batch_size, seq_len, steps, json.dumps(optim.to_json()))
+
+
+@functools.cache
+def _bf16_reference(model_json: str, global_batch_size: int, seq_len: int, steps: int, optim_json: str):
     torch.set_num_threads(1)
     config = ModelConfig.from_json(json.loads(model_json))
 
@@ -118,8 +123,8 @@ def bf16_reference(model_json: str, global_batch_size: int, seq_len: int):
             config,
             global_batch_size=global_batch_size,
             seq_len=seq_len,
-            steps=STEPS,
-            optim=OptimConfig(**PARITY_OPTIM),
+            steps=steps,
+            optim=OptimConfig.from_json(json.loads(optim_json)),
             dtype="bfloat16",
             accumulation=accumulation,
         )
