@@ -201,8 +201,9 @@ def backward_transient_bytes(
     that do not measure it (the analytic ones). Every layer: its parameters' gradients, which autograd
     makes anew before adding them to the accumulated ones. Measured on CPU (`profiler.memory`): the
     embedding's backward makes a dense gradient of its V/t x h rows (that one) plus two (three with
-    the out-of-shard mask) hidden-sized gradients; the head's holds the fp32 softmax gradient of its
-    V/t logits and the logits' own. A block's is bounded by the gradients of everything it keeps
+    the out-of-shard mask) hidden-sized gradients; the head's holds its V/t logits and two fp32
+    buffers of their size (the fp32 copy and the shifted logits in the loss forward, the softmax
+    gradient and the logits' own in backward). A block's is bounded by the gradients of everything it keeps
     alive at once plus its output gradient (measured: 35-65% of that bound), which this takes:
     never below the truth."""
     b, s, h = micro_batch_size, seq_len, config.hidden_size
@@ -211,8 +212,8 @@ def backward_transient_bytes(
     if kind == "embed":
         return vocab * h * dt + (3 if tp_degree > 1 else 2) * dt * b * s * h
     grads = shard_param_count(config, kind, tp_degree) * dt
-    if kind == "head":
-        return grads + 2 * FP32_BYTES * b * s * vocab
+    if kind == "head":  # the logits, and two fp32 logit-sized buffers in the loss forward or backward
+        return grads + (2 * FP32_BYTES + dt) * b * s * vocab
     kept = activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype)
     return grads + kept + dt * b * s * h
 

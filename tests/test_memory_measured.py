@@ -1,0 +1,62 @@
+"""The memory model against what training steps really allocate (DESIGN.md invariant 5).
+
+A subset of `benchmarks/memory_validation.py`'s plans (one per dtype x SP x recompute corner that
+has bitten before: bf16 TP without SP, whose head keeps an fp32 copy of the logits; a TP1 > TP2 SP
+> TP3 SP chain with full and selective recompute; two pipelines of different layouts) trains two
+steps under torchrun; every device's measured peak (`memory` event) must not exceed its prediction,
+nor any static kind (parameters, gradients, optimizer state) differ from it by more than the
+largest shard's rounding (TP rank 0 holds the largest piece of an uneven split). The live-storage
+counter itself is checked against tensors of known size.
+"""
+
+import importlib.util
+
+import torch
+from helpers import REPO
+
+from runtime.memory import LiveBytes
+
+SUBSET = (
+    "TP2 bfloat16",
+    "TP1 > TP2 SP full > TP3 SP selective float32",
+    "2 pipelines TP2 SP + TP1 / TP1 full + TP2 bfloat16",
+    "one device, full float32",
+)
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "memory_validation", REPO / "benchmarks" / "memory_validation.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_live_bytes_counts_new_storages_once_and_frees_them():
+    keep = torch.zeros(1000)  # made before: never counted, nor are in-place results in it
+    with LiveBytes() as live:
+        a = torch.ones(256)  # 1 KiB
+        view = a[:10]  # a view: nothing new
+        keep.add_(1.0)
+        b = torch.ones(512, dtype=torch.bfloat16)  # 1 KiB
+        assert (live.current, live.peak) == (2048, 2048)
+        del a, view
+        c = b * 2  # a's storage freed before c exists
+        assert live.current == 2048 and live.peak == 2048
+        del b, c
+        torch.zeros(1)
+        assert live.current == 4
+
+
+def test_training_steps_never_use_more_memory_than_predicted():
+    bench = _benchmark()
+    plans = [(name, plan) for name, plan in bench.RUNTIME_PLANS if name in SUBSET]
+    assert len(plans) == len(SUBSET)
+    rows = bench.validate_runtime(plans)
+    for row in rows:
+        where = f"{row['plan']} {row['device']}"
+        assert row["measured_bytes"] <= row["predicted_bytes"], where
+        for kind in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
+            assert row["measured"][kind] <= row["predicted"][kind], (where, kind)
+            assert row["measured"][kind] >= 0.95 * row["predicted"][kind], (where, kind)
