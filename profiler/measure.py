@@ -35,8 +35,8 @@ from costmodel.profile import LayerCost, LayerProfile, ModelProfile
 from profiler import defaults
 from profiler.layers import KINDS, build_shard, example_input
 from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
-from runtime.memory import LiveBytes
 from runtime.grad_sync import owned_square_sum
+from runtime.memory import LiveBytes
 from runtime.optim import OptimConfig, build_optimizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -44,6 +44,8 @@ all-reduces it replaces, keeps less and computes no more, so it never loses). Re
 compute for memory, so each method searches once per mode of RECOMPUTE_PASSES with every stage in that
 mode; each answer then gives back the recomputation its stages do not need (`relax_recompute`: the
 lightest mode in which the stage still fits, which is never slower), and the fastest answer wins.
+A pass runs only where its mode lets some stage that is short of memory hold more micro-batches
+(`helps`); otherwise it cannot win.
 
 
 Baselines (solver.baselines), each the best plan of its family under the same cost model: uniform,
@@ -63,6 +65,7 @@ from solver import baselines
 from solver.core import Limits, Outcome, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
+from solver.stages import stage_table
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
@@ -90,6 +93,9 @@ def solve(
     best = None  # (step time, plan, info)
     passes = {}
     for recompute in RECOMPUTE_PASSES:
+        if recompute != "none" and not helps(profile, cluster, global_batch_size, sizes, recompute):
+            passes[recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
+            continue
         found = _solve_pass(
             profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, recompute
         )
@@ -147,6 +153,27 @@ def _solve_pass(
     else:
         info.update(status="OPTIMAL", gap=0.0)  # each baseline family is enumerated in full
     return plan, info
+
+
+def helps(
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], recompute: str
+) -> bool:
+    """Whether a pass with every stage in `recompute` can beat the plain one: only if some stage that
+    holds fewer micro-batches without recomputation than 1F1B could ask of it (min(stages after it,
+    micro-batches): at most the layers, the GPUs and the micro-batches) holds more with it. Otherwise
+    every plan of the pass fits without recomputation too, as fast or faster, and the pass is
+    skipped: exact, and most passes end here when memory does not bind."""
+    plain, other = CostModel(profile, cluster), CostModel(profile, cluster, recompute=recompute)
+    L = profile.model.num_layers
+    for mbs in sizes:
+        most = min(L, len(cluster.devices), gbs // mbs)
+        for tp in tp_degrees(profile, cluster):
+            short, more = stage_table(plain, tp, mbs).max_in_flight, stage_table(other, tp, mbs).max_in_flight
+            for s in range(L):
+                for e in range(s + 1, L + 1):
+                    if short[s][e] < most and more[s][e] > short[s][e]:
+                        return True
+    return False
 
 
 def relax_recompute(cm: CostModel, plan: Plan) -> Plan:

@@ -1,6 +1,7 @@
 """Shared test helpers: repository paths, the example files, small synthetic models and profiles."""
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +11,16 @@ from typing import Any
 from costmodel import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_benchmark(name: str):
+    """The script benchmarks/<name>.py as a module (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 EXAMPLES = REPO / "examples"
 PLAN_HETERO = EXAMPLES / "plan-hetero.json"
 CLUSTER_8_7 = EXAMPLES / "cluster-8-7.json"

@@ -1,10 +1,8 @@
 """The cost-model accuracy benchmark's pieces: its statistics, its plans, the measured optimizer term,
 and the notebook that plots its results."""
 
-import importlib.util
-
 import pytest
-from helpers import REPO
+from helpers import REPO, load_benchmark
 
 from costmodel import PRESETS, ClusterSpec, ModelProfile, Plan
 from costmodel.estimate import CostModel
@@ -13,12 +11,7 @@ TINY = PRESETS["gpt-tiny"]
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "costmodel_accuracy", REPO / "benchmarks" / "costmodel_accuracy.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("costmodel_accuracy")
 
 
 def test_spearman_and_mape_by_hand():

@@ -9,10 +9,8 @@ largest shard's rounding (TP rank 0 holds the largest piece of an uneven split).
 counter itself is checked against tensors of known size.
 """
 
-import importlib.util
-
 import torch
-from helpers import REPO
+from helpers import load_benchmark
 
 from runtime.memory import LiveBytes
 
@@ -25,12 +23,7 @@ SUBSET = (
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "memory_validation", REPO / "benchmarks" / "memory_validation.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("memory_validation")
 
 
 def test_live_bytes_counts_new_storages_once_and_frees_them():

@@ -88,3 +88,31 @@ def test_published_grid_fits(billions, heads, hidden, layers, tp, pp, gpus, batc
         cost = cm.stage_of(stage, MICRO_BATCH)
         peak = sum(cost.memory_bytes(in_flight(si, pp, m), sync_buffer_bytes=0).values())
         assert peak <= cm.usable_memory_bytes, f"stage {si} ({stage.recompute}): {peak / 2**30:.1f} GiB"
+
+
+def test_llama2_70b_on_eight_nodes_no_longer_needs_deep_pipelines():
+    """llama2-70b on 8 nodes of 8 H100s at 64 sequences of 4,096: 4 stages of TP8 (sequence
+    parallel) fit without any recomputation, so memory no longer decides the depth; the solver's
+    plan, whatever depth it picks for speed, fits too."""
+    import solver
+    from costmodel import PRESETS
+
+    profile = analytic_profile(
+        PRESETS["llama2-70b"], device_kind="H100-80GB", micro_batch_sizes=[1], tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )  # fmt: skip
+    cluster = ClusterSpec.from_counts([8] * 8, "H100-80GB")
+    cm = CostModel(profile, cluster)
+    devices = [f"{n.name}:{g}" for n in cluster.nodes for g in n.gpus]
+    stages = tuple(
+        cm.planned_stage(layers, tuple(devices[8 * k : 8 * k + 8]))
+        for k, layers in enumerate(equal_split(profile.model.num_blocks, 4))
+    )
+    assert all(s.recompute == "none" and s.sequence_parallel for s in stages)
+    shallow = Plan(
+        model=profile.model, global_batch_size=64, micro_batch_size=1, seq_len=4096, dtype="bfloat16",
+        pipelines=(Pipeline(num_microbatches=64, stages=stages),),
+    )  # fmt: skip
+    assert cm.estimate(shallow).fits
+    plan = solver.solve(profile, cluster, 64)
+    assert cm.estimate(plan).fits

@@ -11,7 +11,7 @@ bf16 partials), so a plan cannot match it bit for bit; the bound comes from the 
 the same global batch run as 2 and 4 accumulated micro-batches instead of one changes nothing
 mathematically and only reorders roundings, and the largest deviation those reorderings show (loss,
 relative; master weights, absolute) times BF16_SPREAD_FACTOR is the tolerance. Measured on these
-plans: plans deviate by 0.1-1.0x that spread (losses ~2e-5 relative, masters up to ~1.7e-3, the
+plans: plans deviate by 0.1-1.1x that spread (losses ~2e-5 relative, masters up to ~1.7e-3, the
 scale of 2 x lr x steps, since Adam turns a sign flip of a near-zero gradient into a full step).
 A wrong gradient or a missed micro-batch is orders of magnitude beyond it.
 """
