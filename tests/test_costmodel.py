@@ -7,7 +7,7 @@ import pytest
 from reference_1f1b import simulate_1f1b
 from synthetic import synthetic_profile
 
-from costmodel import PRESETS, ClusterSpec, Pipeline, Plan, Stage
+from costmodel import PRESETS, ClusterSpec, ElastorError, Pipeline, Plan, Stage
 from costmodel.comm import Link, all_gather_s, all_reduce_s
 from costmodel.estimate import (
     FP32_BYTES,
@@ -260,3 +260,25 @@ def test_sync_volume_matches_the_buckets_the_runtime_reduces():
         )
         held = sum(box.numel for _, box in device_pieces(plan, device)) * FP32_BYTES
         assert ring_bytes == pytest.approx(2 * (3 - 1) / 3 * held)
+
+
+def test_a_plan_in_another_dtype_than_its_profile_is_refused_in_one_sentence():
+    profile = synthetic_profile()  # float32
+    plan = dataclasses.replace(_plan([(4, [((0, 6), ["n0:0"])])]), dtype="bfloat16")
+    with pytest.raises(ElastorError) as e:
+        CostModel(profile, ClusterSpec.parse("1", "cpu")).estimate(plan)
+    assert str(e.value).count(".") == 1 and "bfloat16" in str(e.value) and "float32" in str(e.value)
+
+
+def test_sequence_parallel_and_recompute_price_memory_and_time():
+    """On a TP2 stage: SP keeps less and moves the same all-reduce volume in halves; full
+    recomputation keeps least and adds each block's forward to the backward; selective in between."""
+    cm = CostModel(synthetic_profile(), ClusterSpec.parse("2", "cpu"))
+    plain, sp = cm.stage(1, 5, 2, 2), cm.stage(1, 5, 2, 2, sequence_parallel=True)
+    full = cm.stage(1, 5, 2, 2, sequence_parallel=True, recompute="full")
+    selective = cm.stage(1, 5, 2, 2, sequence_parallel=True, recompute="selective")
+    assert full.activation_bytes < selective.activation_bytes < sp.activation_bytes < plain.activation_bytes
+    assert sp.compute_bwd_s < selective.compute_bwd_s < full.compute_bwd_s
+    assert full.compute_bwd_s == pytest.approx(sp.compute_bwd_s + sp.compute_fwd_s)
+    assert full.tp_comm_bwd_s == pytest.approx(sp.tp_comm_bwd_s + sp.tp_comm_fwd_s)
+    assert sp.boundary_bytes == plain.boundary_bytes // 2  # each rank sends its half of the sequence

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
     )
+    print(f"{plan.dtype}; recompute passes (predicted step s): {info['recompute_passes']}")
     if args.compare:
         print(compare(profile, cluster, args.global_batch_size, plan, sizes, args.time_limit))
     return 0
@@ -76,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
 def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) -> str:
     """Every method's predicted throughput side by side, relative to `plan`'s."""
     own = plan.predicted["samples_per_s"]
-    rows = [("method", "samples/s", "vs " + plan.solver["method"], "pipelines", "GPUs used", "status")]
+    rows = [
+        (
+            "method", "samples/s", "vs " + plan.solver["method"], "pipelines", "stages", "sp stages",
+            "recompute", "GPUs used", "status",
+        )
+    ]  # fmt: skip
     for method in solver.METHODS:
         try:
             other = (
@@ -85,7 +91,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 else solver.solve(profile, cluster, gbs, method, sizes, time_limit_s)
             )
         except ElastorError as e:
-            rows.append((method, "-", "-", "-", "-", f"no plan: {e}"))
+            rows.append((method, "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
             continue
         rate = other.predicted["samples_per_s"]
         rows.append(
@@ -94,6 +100,9 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 f"{rate:.3f}",
                 f"{rate / own:.3f}",
                 len(other.pipelines),
+                ",".join(sorted({str(len(p.stages)) for p in other.pipelines})),
+                sum(st.sequence_parallel for p in other.pipelines for st in p.stages),
+                ",".join(sorted({st.recompute for p in other.pipelines for st in p.stages})),
                 other.world_size,
                 other.solver["status"],
             )

@@ -12,7 +12,8 @@ from costmodel.config import ModelConfig, load_model_config
 from costmodel.errors import ElastorError
 from costmodel.hardware import DEVICE_KINDS
 from costmodel.jsonio import write_json
-from costmodel.profile import DTYPE_BYTES, ModelProfile
+from costmodel.plan import DTYPES
+from costmodel.profile import ModelProfile
 from costmodel.table import format_table
 from elastor.commands import subcommand
 from profiler import defaults
@@ -56,8 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: %(default)s)")
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPE_BYTES),
-        help="model dtype (default: float32 when measuring, bfloat16 with --analytic)",
+        choices=DTYPES,
+        help="the dtype plans made from this profile train in (default: bfloat16 on CUDA and with "
+        "--analytic, float32 on a CPU)",
     )
     p.add_argument(
         "--repeats", type=int, help=f"timed runs per shape when measuring (default: {defaults.REPEATS})"
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             tp_degrees=degrees,
             seq_len=args.seq_len,
             device=args.device,
-            dtype=args.dtype or "float32",
+            dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
             device_kind=args.device_kind,
             repeats=defaults.REPEATS if args.repeats is None else args.repeats,
             warmup=defaults.WARMUP if args.warmup is None else args.warmup,
