@@ -149,9 +149,19 @@ def test_a_second_failure_during_recovery_and_a_node_losing_every_gpu(tmp_path, 
     """n1:0 is node n1's only GPU; then n0:1 dies as soon as the survivors have restored."""
     steps = 12
     profile = ModelProfile.from_json(read_json(profile_path, "profile"))
+    # Inter-node links as fast as intra-node ones, so that the measured timings cannot make the
+    # planner leave n1:0 idle (a slow inter-node gradient sync against one more GPU's compute).
+    cluster = ClusterSpec.parse("2,1", profile.device_kind)
+    links = dataclasses.replace(cluster.links, inter_node_gbps=cluster.links.intra_node_gbps)
+    cluster = dataclasses.replace(cluster, links=links)
+    write_json(tmp_path / "cluster.json", cluster.to_json())
+    assert "n1:0" in solve(profile, cluster, GLOBAL_BATCH).devices  # so the first failure fires
     survivors = solve(profile, ClusterSpec.parse("2,0", profile.device_kind), GLOBAL_BATCH)
     assert "n0:1" in survivors.devices  # so the second failure does fire during the recovery
-    done = _run(tmp_path, profile_path, "2,1", steps, "--inject-failure=n1:0@6", "--inject-failure=n0:1@4")
+    done = _run(
+        tmp_path, profile_path, str(tmp_path / "cluster.json"), steps,
+        "--inject-failure=n1:0@6", "--inject-failure=n0:1@4",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     injected = [(r["device"], r["step"]) for r in records if r.get("event") == "failure_injected"]

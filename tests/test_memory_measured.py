@@ -18,7 +18,6 @@ SUBSET = (
     "TP2 bfloat16",
     "TP1 > TP2 SP full > TP3 SP selective float32",
     "2 pipelines TP2 SP + TP1 / TP1 full + TP2 bfloat16",
-    "one device, full float32",
 )
 
 
