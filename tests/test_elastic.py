@@ -226,9 +226,9 @@ def test_bf16_failure_reshard_and_scale_up_match_an_uninterrupted_bf16_run(tmp_p
 
     from runtime.optim import OptimConfig
 
-    steps = 12
+    steps = 16
     profile = _profile(tmp_path / "profile.json", "bfloat16")
-    done = _run(tmp_path, profile, "2,2", steps, "--inject-failure=n1:1@6", "--inject-recovery=n1:1@9")
+    done = _run(tmp_path, profile, "2,2", steps, "--inject-failure=n1:1@6", "--inject-recovery=n1:1@10")
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
