@@ -142,7 +142,8 @@ class StageCost:
             "optimizer": 2 * self.param_count * FP32_BYTES + self.param_tensors * FP32_BYTES,
             "activations": (self.activation_bytes + self.input_kept_bytes + self.output_kept_bytes)
             * in_flight,
-            "comm_buffers": sync + 2 * (self.boundary_bytes + self.input_bytes),
+            "sync_buffers": sync,
+            "exchange_buffers": 2 * (self.boundary_bytes + self.input_bytes),  # one exchange's pieces
             "transient": self.transient_bytes,
         }
 
@@ -260,7 +261,7 @@ class Estimate:
                     f"{mem['params'] / mib:.1f}",
                     f"{(mem['grads'] + mem['optimizer']) / mib:.1f}",
                     f"{mem['activations'] / mib:.1f}",
-                    f"{mem['comm_buffers'] / mib:.1f}",
+                    f"{(mem['sync_buffers'] + mem['exchange_buffers']) / mib:.1f}",
                     f"{s.peak_memory_bytes / self.usable_memory_bytes:.0%}",
                 )
             )

@@ -49,12 +49,13 @@ def train(
         while trainer.step < until_step:
             start = time.perf_counter()
             if results:
-                result = trainer.train_step()
+                result, event = trainer.train_step(), None
             else:
                 result, measured = measure_step(trainer)
-                event = memory_event(trainer, measured)
             stall = after_step(trainer, result) if after_step else 0.0
             elapsed = time.perf_counter() - start
+            if not results:  # gathered and predicted outside the step's time
+                event = memory_event(trainer, measured)
             results.append(result)
             if metrics:
                 metrics.write(
@@ -68,7 +69,7 @@ def train(
                         "grad_norm": result.grad_norm,
                     }
                 )
-            if len(results) == 1 and event is not None:
+            if event is not None:
                 if metrics:
                     metrics.event("memory", step=result.step, **event)
                 bar.write(

@@ -74,10 +74,6 @@ class MeasuredMemory:
     optimizer_bytes: int
     activations_peak_bytes: int
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(getattr(self, k) for k in KINDS)
-
     def as_list(self) -> list[int]:
         return [getattr(self, k) for k in KINDS]
 
@@ -145,13 +141,12 @@ def predicted_memory(plan) -> dict[str, dict[str, int]]:
     predicted = {}
     for stage in CostModel(profile, cluster).estimate(plan).stages:
         m = stage.memory
-        sync_extra = m["comm_buffers"] - 2 * (stage.cost.boundary_bytes + stage.cost.input_bytes)
         for device in stage.devices:
             predicted[device] = {
                 "parameters_bytes": m["params"],
-                "gradients_bytes": m["grads"] + sync_extra,
+                "gradients_bytes": m["grads"] + m["sync_buffers"],
                 "optimizer_bytes": m["optimizer"],
-                "activations_peak_bytes": m["activations"] + m["comm_buffers"] - sync_extra + m["transient"],
+                "activations_peak_bytes": m["activations"] + m["exchange_buffers"] + m["transient"],
             }
     return predicted
 

@@ -92,6 +92,7 @@ def solve(
     sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
     best = None  # (step time, plan, info)
     passes = {}
+    plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
     for recompute in RECOMPUTE_PASSES:
         if recompute != "none" and not helps(profile, cluster, global_batch_size, sizes, recompute):
             passes[recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
@@ -103,8 +104,8 @@ def solve(
             passes[recompute] = None
             continue
         plan, info = found
-        plan = relax_recompute(CostModel(profile, cluster), plan)
-        estimate = CostModel(profile, cluster).estimate(plan)
+        plan = relax_recompute(plain, plan)
+        estimate = plain.estimate(plan)
         passes[recompute] = round(estimate.step_time_s, 6)
         if best is None or estimate.step_time_s < best[0]:
             best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)

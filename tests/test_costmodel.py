@@ -192,7 +192,8 @@ def test_memory_by_hand_for_a_gpt_tiny_stage():
         "grads": params * FP32_BYTES,
         "optimizer": 2 * params * FP32_BYTES + 10 * FP32_BYTES,  # and the step counts of its 10 tensors
         "activations": 2 * (activation + output),  # stage 0 of 2 holds 2 micro-batches
-        "comm_buffers": 2 * output,  # one pipeline: no sync buffer; the send and its gradient's receive
+        "sync_buffers": 0,  # one pipeline: nothing to reduce across pipelines
+        "exchange_buffers": 2 * output,  # the send and its gradient's receive
         # the profile measured none: the block's parameter gradients as autograd makes them (the
         # largest layer's), and the cached fp32 rotary tables
         "transient": ((block - norms) // 2 + norms) * FP32_BYTES + 2 * 64 * 16 * 4,
