@@ -1,5 +1,6 @@
 """Runtime benchmark: (1) a pure data-parallel plan against DistributedDataParallel, (2) the bytes of the
-cross-pipeline gradient sync against the minimum the layouts require.
+cross-pipeline gradient sync against the minimum the layouts require, with and without ZeRO-1, (3) how
+much of the gradient reduction overlapping it with backward hides.
 
 (1) Both trainers live in the same torchrun processes and take the same samples each step: Elastor's
 `Trainer` on a plan of one whole-model pipeline per process, and `DistributedDataParallel` around the
@@ -9,13 +10,21 @@ a barrier, so machine noise hits both alike; the figure is the ratio of median s
 steps each (target <= 1.10; on a shared 2-core machine one run varies by about +-5%). Their losses
 must agree: the comparison is between two ways of computing the same thing.
 
-(2) For heterogeneous plans, every rank runs two training steps and measures, around the gradient
-sync only, the bytes its process wrote to its sockets (Linux `/proc/self/io` wchar: what gloo really
-sent, headers included) and the bytes its collectives carry by count (a ring all-reduce of S bytes
-among n ranks sends 2(n-1)/n * S per rank; Patarasuk & Yuan 2009 show no all-reduce sends less).
-The minimum is derived here, element by element and independently of `sync_buckets`' segments and
+(2) For heterogeneous plans, every rank runs two training steps with the reductions issued after
+backward (so that they run alone) and measures, around them and the ZeRO-1 all-gather only, the bytes
+its process wrote to its sockets (Linux `/proc/self/io` wchar: what gloo really sent, headers
+included) and the bytes its collectives carry by count (ring volumes per rank: all-reduce 2(n-1)/n
+* S, reduce-scatter and all-gather (n-1)/n * S; Patarasuk & Yuan 2009 show no all-reduce sends
+less). The minimum is derived here, element by element and independently of the buckets and their
 groups: an element needs a reduction when devices of two or more stages hold it, and then its n
-holders must together send at least 2(n-1) copies of it. Target: measured / minimum <= 1.05.
+holders must together send at least 2(n-1) fp32 copies of it (all-reduce), or (n-1) fp32 copies to
+reduce-scatter and (n-1) copies in the plan's dtype to gather it back (ZeRO-1). Target: measured /
+minimum <= 1.05.
+
+(3) Overlap: the same processes train the same plan with the reductions issued from backward's hooks
+and, on alternate steps, all after backward; per step, the seconds from the end of the last
+micro-batch's backward to the optimizer step (waiting for the reductions) and the step time. The
+fraction hidden is 1 - overlapped wait / plain wait (medians).
 
     .venv/bin/python benchmarks/runtime_bench.py [--out benchmarks/results/runtime_bench.json]
 """
@@ -40,7 +49,7 @@ from runtime.elastic.launch import run_local_torchrun
 REPO = Path(__file__).resolve().parent.parent
 
 FP32_BYTES = 4
-DP_TARGET, SYNC_TARGET = 1.10, 1.05
+DP_TARGET, SYNC_TARGET = 1.05, 1.05
 # A model with 8x gpt-tiny's parameters, so that the gradient all-reduce weighs more in a step.
 GPT_MINI = ModelConfig(
     name="gpt-mini",
@@ -116,7 +125,12 @@ def sync_plans() -> dict[str, dict]:
 
 
 def minimum_sync_bytes(plan: Plan) -> float:
-    """Bytes all devices together must send to sum every gradient element held in two or more stages."""
+    """Bytes all devices together must send to sum every gradient element held in two or more stages
+    (and under ZeRO-1 to gather it back in the plan's dtype)."""
+    dtype_bytes = {"float32": 4, "bfloat16": 2}[plan.dtype]
+    copies = (  # per element with n holders: fp32 copies and dtype copies, times (n - 1)
+        (FP32_BYTES + dtype_bytes) if plan.optimizer.sharding == "zero1" else 2 * FP32_BYTES
+    )
     holders: dict[str, list] = {}
     for device in plan.devices:
         for spec, box in device_pieces(plan, device):
@@ -135,7 +149,7 @@ def minimum_sync_bytes(plan: Plan) -> float:
             stage_masks.setdefault(placement, np.zeros(length, dtype=bool))[lo:hi] = True
         stages = np.sum(list(stage_masks.values()), axis=0)
         needs = stages >= 2
-        total += float(np.sum(2 * (devices[needs] - 1))) * per_index * FP32_BYTES
+        total += float(np.sum(devices[needs] - 1)) * per_index * copies
     return total
 
 
@@ -248,26 +262,65 @@ def _sync_worker(plan_path: Path, result: Path) -> None:
     plan = Plan.from_json(json.loads(plan_path.read_text())).validate()
     ctx = _join(plan)
     trainer = Trainer(plan, ctx, optim=OptimConfig(), seed=0)
+    trainer.main.overlap = False  # every reduction in finish_reduction, alone on the sockets
     measured = [0]
-    inner = trainer.sync.all_reduce
 
-    def measured_sync() -> None:
-        dist.barrier()
-        before = _proc_wchar()
-        inner()
-        measured[0] += _proc_wchar() - before
+    def measured_around(inner):
+        def run() -> None:
+            dist.barrier()
+            before = _proc_wchar()
+            inner()
+            measured[0] += _proc_wchar() - before
 
-    trainer.sync.all_reduce = measured_sync
+        return run
+
+    trainer.main.finish_reduction = measured_around(trainer.main.finish_reduction)
+    trainer.main.publish = measured_around(trainer.main.publish)
     steps = 2
     for _ in range(steps):
         trainer.train_step()
     trainer.close()
+    stats = trainer.main.stats
     mine = {
         "device": ctx.device_name,
         "measured_bytes": measured[0] / steps,
-        "counted_bytes": trainer.sync.stats.bytes_sent / steps,
-        "collectives": trainer.sync.stats.collectives // steps,
+        "counted_bytes": stats.bytes_sent / steps,
+        "collectives": stats.collectives // steps,
     }
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.rank == 0:
+        result.write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+def _overlap_worker(plan_path: Path, steps: int, result: Path) -> None:
+    import torch.distributed as dist
+
+    from runtime.optim import OptimConfig
+    from runtime.trainer import Trainer
+
+    plan = Plan.from_json(json.loads(plan_path.read_text())).validate()
+    ctx = _join(plan)
+    trainer = Trainer(plan, ctx, optim=OptimConfig(), seed=0)
+    main, waits = trainer.main, {True: [], False: []}
+    inner = main.finish_reduction
+
+    def timed() -> None:
+        start = time.perf_counter()
+        inner()
+        waits[main.overlap].append(time.perf_counter() - start)
+
+    main.finish_reduction = timed
+    times = {True: [], False: []}
+    for k in range(steps):
+        main.overlap = k % 2 == 0
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        times[main.overlap].append(time.perf_counter() - start)
+    trainer.close()
+    mine = {"waits": {str(k): v for k, v in waits.items()}, "times": {str(k): v for k, v in times.items()}}
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank == 0:
@@ -304,29 +357,112 @@ def run_dp(procs: int, steps: int, tmp: Path) -> list[dict]:
     return rows
 
 
+def _variants(plan_json: dict) -> dict[str, dict]:
+    """The plan unsharded, with ZeRO-1, and with ZeRO-1 in bf16."""
+    return {
+        "none": plan_json,
+        "zero1": {**plan_json, "optimizer": {"sharding": "zero1"}},
+        "zero1 bf16": {**plan_json, "optimizer": {"sharding": "zero1"}, "dtype": "bfloat16"},
+    }
+
+
 def run_sync(tmp: Path) -> list[dict]:
     rows = []
-    for name, plan_json in sync_plans().items():
-        plan = Plan.from_json(plan_json).validate()
-        path, result = tmp / "plan.json", tmp / "sync.json"
-        path.write_text(json.dumps(plan_json))
-        _torchrun(plan.world_size, ["--worker", "sync", "--plan", str(path), "--result", str(result)], 600)
-        ranks = json.loads(result.read_text())
-        minimum = minimum_sync_bytes(plan)
-        measured = sum(r["measured_bytes"] for r in ranks)
-        counted = sum(r["counted_bytes"] for r in ranks)
-        rows.append(
-            {
-                "plan": name,
-                "devices": plan.world_size,
-                "collectives_per_rank_max": max(r["collectives"] for r in ranks),
-                "minimum_bytes": minimum,
-                "counted_bytes": counted,
-                "measured_bytes": measured,
-                "counted_over_minimum": counted / minimum if minimum else None,
-                "measured_over_minimum": measured / minimum if minimum else None,
-            }
-        )
+    for name, base in sync_plans().items():
+        for variant, plan_json in _variants(base).items():
+            plan = Plan.from_json(plan_json).validate()
+            path, result = tmp / "plan.json", tmp / "sync.json"
+            path.write_text(json.dumps(plan_json))
+            _torchrun(
+                plan.world_size, ["--worker", "sync", "--plan", str(path), "--result", str(result)], 600
+            )
+            ranks = json.loads(result.read_text())
+            minimum = minimum_sync_bytes(plan)
+            measured = sum(r["measured_bytes"] for r in ranks)
+            counted = sum(r["counted_bytes"] for r in ranks)
+            rows.append(
+                {
+                    "plan": name,
+                    "optimizer": variant,
+                    "devices": plan.world_size,
+                    "collectives_per_rank_max": max(r["collectives"] for r in ranks),
+                    "minimum_bytes": minimum,
+                    "counted_bytes": counted,
+                    "measured_bytes": measured,
+                    "counted_over_minimum": counted / minimum if minimum else None,
+                    "measured_over_minimum": measured / minimum if minimum else None,
+                }
+            )
+    return rows
+
+
+def overlap_plans() -> dict[str, dict]:
+    """gpt-mini on 2 data-parallel replicas, and two pipelines of different cuts; 1 MiB buckets."""
+    mini = GPT_MINI.to_json()
+
+    def plan(pipelines, mbs):
+        return {
+            "schema_version": 1,
+            "model": mini,
+            "global_batch_size": sum(m for m, _ in pipelines) * mbs,
+            "micro_batch_size": mbs,
+            "seq_len": 128,
+            "optimizer": {"sharding": "none", "bucket_bytes": 1 << 20},
+            "pipelines": [{"num_microbatches": m, "stages": st} for m, st in pipelines],
+        }
+
+    return {
+        "gpt-mini DP x2": plan([(2, _stages(((0, 6), [f"n{i}:0"]))) for i in range(2)], 2),
+        "gpt-mini 2+2 | 3+1 stages": plan(
+            [
+                (4, _stages(((0, 3), ["n0:0"]), ((3, 6), ["n0:1"]))),
+                (4, _stages(((0, 4), ["n1:0"]), ((4, 6), ["n1:1"]))),
+            ],
+            1,
+        ),
+    }
+
+
+def run_overlap(steps: int, tmp: Path) -> list[dict]:
+    rows = []
+    for name, base in overlap_plans().items():
+        for sharding in ("none", "zero1"):
+            plan_json = {**base, "optimizer": {**base["optimizer"], "sharding": sharding}}
+            plan = Plan.from_json(plan_json).validate()
+            path, result = tmp / "plan.json", tmp / "overlap.json"
+            path.write_text(json.dumps(plan_json))
+            args = [
+                "--worker",
+                "overlap",
+                "--plan",
+                str(path),
+                "--steps",
+                str(steps),
+                "--result",
+                str(result),
+            ]
+            _torchrun(plan.world_size, args, 900)
+            ranks = json.loads(result.read_text())
+            warm = 2  # per mode: the first steps allocate and warm caches
+
+            def median(kind: str, mode: str, ranks=ranks, warm=warm) -> float:
+                """Median over timed steps of the slowest rank's seconds."""
+                per_step = zip(*(r[kind][mode][warm:] for r in ranks), strict=True)
+                return statistics.median(max(step) for step in per_step)
+
+            hooked, plain = median("waits", "True"), median("waits", "False")
+            rows.append(
+                {
+                    "plan": name,
+                    "optimizer": sharding,
+                    "devices": plan.world_size,
+                    "wait_overlapped_s": hooked,
+                    "wait_after_backward_s": plain,
+                    "fraction_hidden": 1 - hooked / plain,
+                    "step_overlapped_s": median("times", "True"),
+                    "step_after_backward_s": median("times", "False"),
+                }
+            )
     return rows
 
 
@@ -335,8 +471,13 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "runtime_bench.json"))
     parser.add_argument("--procs", type=int, default=2, help="processes of the DDP comparison (default: 2)")
     parser.add_argument("--steps", type=int, default=42, help="steps per trainer in the DDP comparison")
-    parser.add_argument("--parts", default="dp,sync", help="which parts to run (default: %(default)s)")
-    parser.add_argument("--worker", choices=("dp", "sync"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--parts", default="dp,sync,overlap", help="which parts to run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--overlap-steps", type=int, default=24, help="steps of the overlap part (both modes)"
+    )
+    parser.add_argument("--worker", choices=("dp", "sync", "overlap"), help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -347,13 +488,17 @@ def main() -> int:
     if args.worker == "sync":
         _sync_worker(Path(args.plan), Path(args.result))
         return 0
+    if args.worker == "overlap":
+        _overlap_worker(Path(args.plan), args.steps, Path(args.result))
+        return 0
 
     parts = set(args.parts.split(","))
-    if not parts or parts - {"dp", "sync"}:
-        raise SystemExit("runtime_bench: --parts takes dp, sync or dp,sync.")
+    if not parts or parts - {"dp", "sync", "overlap"}:
+        raise SystemExit("runtime_bench: --parts takes a comma-separated subset of dp, sync, overlap.")
     with tempfile.TemporaryDirectory() as tmp:
         dp = run_dp(args.procs, args.steps, Path(tmp)) if "dp" in parts else []
         sync = run_sync(Path(tmp)) if "sync" in parts else []
+        overlap = run_overlap(args.overlap_steps, Path(tmp)) if "overlap" in parts else []
     print(
         "(1) pure data parallelism: Elastor's runtime vs DistributedDataParallel, same processes and batches"
     )
@@ -373,11 +518,12 @@ def main() -> int:
     print(format_table(rows))
     print(f"target: ratio <= {DP_TARGET}\n")
     print("(2) cross-pipeline gradient sync: bytes sent per step by all ranks together")
-    rows = [("plan", "devices", "minimum", "counted", "measured", "counted/min", "measured/min")]
+    rows = [("plan", "optimizer", "devices", "minimum", "counted", "measured", "counted/min", "measured/min")]
     for r in sync:
         rows.append(
             (
                 r["plan"],
+                r["optimizer"],
                 str(r["devices"]),
                 f"{r['minimum_bytes']:,.0f}",
                 f"{r['counted_bytes']:,.0f}",
@@ -387,7 +533,22 @@ def main() -> int:
             )
         )
     print(format_table(rows))
-    print(f"target: measured/min <= {SYNC_TARGET}")
+    print(f"target: measured/min <= {SYNC_TARGET}\n")
+    print("(3) overlap: wait for the reductions after backward, issued from hooks vs after backward")
+    rows = [("plan", "optimizer", "wait hooked s", "wait after s", "hidden", "step hooked s", "step after s")]
+    for r in overlap:
+        rows.append(
+            (
+                r["plan"],
+                r["optimizer"],
+                f"{r['wait_overlapped_s']:.4f}",
+                f"{r['wait_after_backward_s']:.4f}",
+                f"{r['fraction_hidden']:.0%}",
+                f"{r['step_overlapped_s']:.4f}",
+                f"{r['step_after_backward_s']:.4f}",
+            )
+        )
+    print(format_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -398,6 +559,7 @@ def main() -> int:
         "dp_target_ratio": DP_TARGET,
         "sync_bytes": sync,
         "sync_target_ratio": SYNC_TARGET,
+        "overlap": overlap,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")

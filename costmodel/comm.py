@@ -50,5 +50,10 @@ def all_gather_s(num_bytes: float, n: int, via: Link) -> float:
     return via.transfer_s((n - 1) / n * num_bytes, steps=n - 1)
 
 
+def reduce_scatter_s(num_bytes: float, n: int, via: Link) -> float:
+    """Ring reduce-scatter of a `num_bytes` buffer on n ranks: (n-1)/n of it per link."""
+    return all_gather_s(num_bytes, n, via)
+
+
 def p2p_s(num_bytes: float, via: Link) -> float:
     return via.transfer_s(num_bytes)

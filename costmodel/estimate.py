@@ -3,8 +3,8 @@
 Pure functions of a profile, a cluster and a plan's structure. Every term is named, and
 `Estimate.explain()` prints them per stage.
 
-Step time (the runtime does not overlap these three phases):
-    step = max over pipelines of pipeline_time + gradient sync + optimizer step
+Step time:
+    step = max over pipelines of pipeline_time + exposed gradient sync + optimizer step
 
 Pipeline time under 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM", section 2.2). With F_s, B_s the forward and
@@ -21,9 +21,17 @@ within 10% above for balanced ones (tests state the bounds); with c = 0 it is th
 (m + p - 1)(F + B).
 
 Gradient sync: every segment of every parameter has one holder per pipeline (costmodel.layout), and
-each holder reduces its segments with the other pipelines' holders by ring all-reduce. A device
-holding B bytes of gradients therefore moves 2(P-1)/P * B over its link (P pipelines); stages
-work in parallel, the slowest device sets the time. Links cross nodes whenever the plan does.
+the holders reduce it together in gradient buckets (costmodel.sharding): ring all-reduce, or under
+ZeRO-1 reduce-scatter and, after the step, all-gather of the updated parameters in the plan's dtype.
+A device holding B bytes of gradients moves 2(P-1)/P * B (all-reduce) or (P-1)/P * B plus
+(P-1)/P of its parameters (ZeRO-1) over its link (P pipelines); devices work in parallel and a
+pipeline's device of most parameters sets its time. Links cross nodes whenever the plan does.
+The runtime issues each bucket as soon as backward has produced it (runtime/dist_optim.py), so only
+the remainder counts (`SyncCost.exposed_s`): the reduction less the window backward leaves it
+(`hide_window_s`; the least over the plan's pipelines, since every bucket has a holder in each),
+and never less than what backward produces last. tests/test_overlap_model.py holds this against a
+step-by-step simulation of the schedule, the buckets and their holders sharing links. The ZeRO-1
+gather follows the step and is never hidden.
 
 Optimizer step: what the runtime does to a stage's gradients besides the sync (zero them, sum their
 squares for the global norm, clip, AdamW). Measured profiles carry its time per layer shard
@@ -33,15 +41,17 @@ bandwidth bound below, as torch's AdamW runs a handful of kernels per tensor, ea
 is taken as memory-bound: per parameter it reads the parameter, gradient and two moments and writes
 three of them (7 fp32 words), plus one read of the gradient for clipping.
 
-Peak memory per device, as the runtime allocates it (runtime/precision.py, runtime/pipeline.py):
-parameters in the plan's dtype and, for a 16-bit plan, their fp32 masters; fp32 main gradients and
-AdamW moments of the shard it holds; per micro-batch in flight under 1F1B (stage s of p holds
-min(p - s, m)) the activations its layers keep (in the stage's recompute mode and sequence split)
-plus the boundary tensors the schedule holds for backward (the output it sent, the input it received
-where no layer keeps it already); the gradient-sync buffers of segments that are not a whole local
-gradient; the pieces of one exchange in flight; and the largest transient working memory of one of
-its layers (the profiler measures it; a recomputed block's rerun forward adds its activations). A
-plan fits when this peak is at most the device memory less MEMORY_HEADROOM.
+Peak memory per device, as the runtime allocates it (runtime/dist_optim.py, runtime/pipeline.py):
+parameters in the plan's dtype and the fp32 masters of the rows whose state it keeps (all it holds,
+or under ZeRO-1 its slice of each bucket); fp32 main-gradient buckets of all it holds, and AdamW
+moments of the rows it keeps (`costmodel.sharding.state_bytes`, exact for a plan; `state_bound`
+for the planner's tables); under ZeRO-1 the all-gather buffers of two buckets; per micro-batch in
+flight under 1F1B (stage s of p holds min(p - s, m)) the activations its layers keep (in the
+stage's recompute mode and sequence split) plus the boundary tensors the schedule holds for backward
+(the output it sent, the input it received where no layer keeps it already); the pieces of one
+exchange in flight; and the largest transient working memory of one of its layers (the profiler
+measures it; a recomputed block's rerun forward adds its activations). A plan fits when this peak
+is at most the device memory less MEMORY_HEADROOM.
 
 Sequence parallelism and recomputation change a stage's cost from what the profile measured (TP
 shards without either): activations follow `costmodel.analytic`'s formulas for the mode (the
@@ -52,16 +62,19 @@ parallelism replaces each all-reduce by an all-gather and a reduce-scatter of th
 Point-to-point is priced by the bytes one rank of the sender holds of the boundary activation.
 """
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from costmodel import analytic
 from costmodel.cluster import ClusterSpec, parse_device
-from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s
+from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s, reduce_scatter_s
 from costmodel.errors import ElastorError
 from costmodel.hardware import DEVICE_KINDS
-from costmodel.layout import device_pieces, shard_box, stage_params, sync_buckets
-from costmodel.plan import Pipeline, Plan, Stage
+from costmodel.layout import shard_box, stage_params
+from costmodel.plan import BUCKET_BYTES, OptimizerLayout, Pipeline, Plan, Stage
 from costmodel.profile import ModelProfile
+from costmodel.sharding import StateBytes, state_bound, state_bytes
 from costmodel.table import format_table
 
 FP32_BYTES = 4
@@ -117,6 +130,11 @@ class StageCost:
     dtype_bytes: int = FP32_BYTES
     sequence_parallel: bool = False
     recompute: str = "none"
+    row_numel: int = 1  # the largest row a gradient bucket cuts this stage's tensors at (hidden size)
+    # A planned stage's optimizer state is sharded over at least this many holders (1: unsharded;
+    # ZeRO-1 plans with at least this many pipelines), in buckets of `bucket_bytes`.
+    sharded_over: int = 1
+    bucket_bytes: int = BUCKET_BYTES
 
     @property
     def fwd_s(self) -> float:
@@ -130,22 +148,75 @@ class StageCost:
     def grad_bytes(self) -> int:
         return self.param_count * FP32_BYTES
 
-    def memory_bytes(self, in_flight: int, sync_buffer_bytes: int | None = None) -> dict[str, int]:
-        """Peak memory by kind when `in_flight` micro-batches' activations are held. The gradient
-        sync's extra buffers are `sync_buffer_bytes` where the plan is known, else at most a second
-        copy of the gradients."""
-        masters = 0 if self.dtype_bytes == FP32_BYTES else FP32_BYTES
-        sync = self.grad_bytes if sync_buffer_bytes is None else sync_buffer_bytes
+    def state_bytes(self) -> StateBytes:
+        """The optimizer side's bytes before the plan is known: `costmodel.sharding.state_bound`."""
+        return state_bound(
+            self.param_count,
+            self.param_tensors,
+            self.row_numel,
+            self.sharded_over,
+            self.dtype_bytes,
+            self.bucket_bytes,
+        )
+
+    def memory_bytes(self, in_flight: int, state: StateBytes | None = None) -> dict[str, int]:
+        """Peak memory by kind when `in_flight` micro-batches' activations are held. The optimizer
+        side (masters, main gradients, moments, ZeRO-1 gather buffers) is `state` where the plan is
+        known (`costmodel.sharding.state_bytes`), else this stage's bound."""
+        state = self.state_bytes() if state is None else state
         return {
-            "params": self.param_count * (self.dtype_bytes + masters),
-            "grads": self.param_count * FP32_BYTES,
-            "optimizer": 2 * self.param_count * FP32_BYTES + self.param_tensors * FP32_BYTES,
+            "params": self.param_count * self.dtype_bytes + state.masters,
+            "grads": state.grads,
+            "optimizer": state.moments + state.steps,
             "activations": (self.activation_bytes + self.input_kept_bytes + self.output_kept_bytes)
             * in_flight,
-            "sync_buffers": sync,
+            "sync_buffers": state.gather,
             "exchange_buffers": 2 * (self.boundary_bytes + self.input_bytes),  # one exchange's pieces
             "transient": self.transient_bytes,
         }
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """A pipeline's data-parallel gradient reduction and ZeRO-1 all-gather (`CostModel.sync`)."""
+
+    reduce_s: float  # bucketed ring all-reduce of fp32 main gradients, or reduce-scatter under ZeRO-1
+    floor_s: float  # never hidden: what backward produces last, or one bucket
+    gather_s: float  # ZeRO-1: all-gather of the updated parameters after the step (else 0)
+
+    def exposed_s(self, hide_s: float) -> float:
+        """What the step waits for when backward can hide `hide_s` of the reduction."""
+        return max(self.floor_s, self.reduce_s - hide_s) + self.gather_s
+
+    def hidden_s(self, hide_s: float) -> float:
+        return self.reduce_s + self.gather_s - self.exposed_s(hide_s)
+
+
+def plan_sync_s(pipelines: Sequence[tuple[SyncCost, float]]) -> float:
+    """The gradient sync a plan waits for, from each pipeline's (SyncCost, hide window): every
+    bucket has a holder in every pipeline, so no reduction starts before the pipeline that hides
+    least allows (the least window is everyone's), and the pipeline with the most to reduce sets it."""
+    hide = min(h for _, h in pipelines)
+    return max(sync.exposed_s(hide) for sync, _ in pipelines)
+
+
+def buckets_of(params: int, bucket_bytes: int) -> int:
+    """Gradient buckets of a device holding `params` parameters (fp32 main gradients)."""
+    return max(1, -(-int(params) * FP32_BYTES // bucket_bytes))
+
+
+def hide_window_s(bwd_s: Sequence[float], p2p_s: Sequence[float], buckets: Sequence[int]) -> float:
+    """How long before a pipeline's backward ends its devices' gradient reductions can start, at the
+    least over its stages: stage s's buckets become ready one by one over its last micro-batch's
+    backward B_s (K_s buckets: the last one B_s / K_s before the backward ends), and after it the
+    cool-down still runs on the stages in front of it for sum_{s' < s} (B_s' + c_s'). So
+    min_s B_s (1 - 1/K_s) + sum_{s' < s} (B_s' + c_s'); the first stage (no cool-down in front)
+    usually sets it."""
+    cooling, hide = 0.0, math.inf
+    for s, (b, k) in enumerate(zip(bwd_s, buckets, strict=True)):
+        hide = min(hide, b * (1 - 1 / max(1, k)) + cooling)
+        cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
+    return hide
 
 
 def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m: int) -> float:
@@ -173,8 +244,10 @@ class StagePrediction:
     cost: StageCost
     p2p_s: float  # to the next stage, per micro-batch
     bubble_s: float  # time this stage is idle within its pipeline's time
-    sync_s: float
+    sync_s: float  # the gradient reduction (and ZeRO-1 gather) the step waits for
     memory: dict[str, int]
+    sync_hidden_s: float = 0.0  # the reduction that overlaps backward
+    optimizer_s: float = 0.0  # AdamW over the state this stage's device keeps
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -211,6 +284,7 @@ class Estimate:
             "samples_per_s": self.samples_per_s,
             "pipeline_times_s": list(self.pipeline_times_s),
             "sync_s": self.sync_s,
+            "sync_hidden_s": max(s.sync_hidden_s for s in self.stages),
             "optimizer_s": self.optimizer_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "usable_memory_bytes": self.usable_memory_bytes,
@@ -232,6 +306,7 @@ class Estimate:
                 "p2p ms",
                 "bubble ms",
                 "sync ms",
+                "hidden ms",
                 "opt ms",
                 "params MiB",
                 "grad+opt MiB",
@@ -257,7 +332,8 @@ class Estimate:
                     f"{s.p2p_s * 1e3:.2f}",
                     f"{s.bubble_s * 1e3:.2f}",
                     f"{s.sync_s * 1e3:.2f}",
-                    f"{c.optimizer_s * 1e3:.2f}",
+                    f"{s.sync_hidden_s * 1e3:.2f}",
+                    f"{s.optimizer_s * 1e3:.2f}",
                     f"{mem['params'] / mib:.1f}",
                     f"{(mem['grads'] + mem['optimizer']) / mib:.1f}",
                     f"{mem['activations'] / mib:.1f}",
@@ -271,7 +347,7 @@ class Estimate:
                 format_table(rows),
                 f"pipeline times (ms): {pipes}",
                 f"step {self.step_time_s * 1e3:.1f} ms = slowest pipeline "
-                f"{max(self.pipeline_times_s) * 1e3:.1f} + gradient sync {self.sync_s * 1e3:.1f} "
+                f"{max(self.pipeline_times_s) * 1e3:.1f} + exposed gradient sync {self.sync_s * 1e3:.1f} "
                 f"+ optimizer {self.optimizer_s * 1e3:.1f}; {self.samples_per_s:.2f} samples/s",
             ]
         )
@@ -280,13 +356,26 @@ class Estimate:
 class CostModel:
     """Predictions for one profile on one cluster; stage costs are cached by (range, tp, mbs)."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, *, recompute: str = "none"):
-        """`recompute` is the mode of the stages a planner builds from this model (`planned_stage`);
-        a plan's own stages are priced in their own modes."""
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        *,
+        recompute: str = "none",
+        optimizer: OptimizerLayout | None = None,
+        replicas: int = 1,
+    ):
+        """`recompute` is the mode of the stages a planner builds from this model (`planned_stage`),
+        `optimizer` their optimizer layout, and under ZeRO-1 `replicas` the fewest pipelines their
+        plans have (each stage's state is sharded over at least that many holders); a plan's own
+        stages are priced in their own modes and layout."""
         self.profile = profile
         self.cluster = cluster
         self.model = profile.model
         self.recompute = recompute
+        self.optimizer = optimizer = optimizer or OptimizerLayout()
+        self.replicas = replicas if optimizer.sharding == "zero1" else 1
+        self._planned_cache: dict[tuple[int, int, int, int], StageCost] = {}
         self.usable_memory_bytes = int(cluster.device.memory_bytes * (1 - MEMORY_HEADROOM))
         kind = DEVICE_KINDS.get(cluster.device.kind)
         self.memory_bandwidth_gbps = kind.memory_bandwidth_gbps if kind else DEFAULT_MEMORY_BANDWIDTH_GBPS
@@ -378,6 +467,7 @@ class CostModel:
             dtype_bytes=dt,
             sequence_parallel=sp,
             recompute=recompute,
+            row_numel=model.hidden_size,
         )
 
     def _tp_comm_s(self, kind: str, tp: int, sp: bool, hidden: float, tokens: int) -> tuple[float, float]:
@@ -405,8 +495,17 @@ class CostModel:
         return tp > 1 and self.profile.seq_len % tp == 0
 
     def planned(self, start: int, end: int, tp: int, micro_batch_size: int) -> StageCost:
-        """The cost of a stage a planner builds: sequence parallel where it can be, `recompute`."""
-        return self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
+        """The cost of a stage a planner builds: sequence parallel where it can be, `recompute`, its
+        optimizer state and AdamW sharded over `replicas` holders under ZeRO-1."""
+        key = (start, end, tp, micro_batch_size)
+        if key not in self._planned_cache:
+            cost = self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
+            if self.replicas > 1:
+                cost = replace(cost, sharded_over=self.replicas, bucket_bytes=self.optimizer.bucket_bytes)
+                kept = cost.state_bytes().masters / max(1, cost.param_count * FP32_BYTES)
+                cost = replace(cost, optimizer_s=cost.optimizer_s * min(1.0, kept))
+            self._planned_cache[key] = cost
+        return self._planned_cache[key]
 
     def planned_stage(self, layers: tuple[int, int], devices: tuple[str, ...]) -> Stage:
         return Stage(
@@ -429,9 +528,40 @@ class CostModel:
         receivers of other TP degrees is not priced."""
         return p2p_s(stage.boundary_bytes, self.link("p2p", inter_node))
 
-    def sync_s(self, stage: StageCost, num_pipelines: int, inter_node: bool) -> float:
-        """Ring all-reduce of this device's gradients with the other pipelines' holders."""
-        return all_reduce_s(stage.grad_bytes, num_pipelines, self.link("all_reduce", inter_node))
+    def sync(
+        self,
+        params: int,
+        num_pipelines: int,
+        inter_node: bool,
+        *,
+        last_params: int = 0,
+        sharding: str = "none",
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> SyncCost:
+        """A pipeline's gradient reduction with the other pipelines' holders (one per pipeline),
+        set by its device of most parameters (`params`): ring all-reduce of the fp32 main gradients
+        bucket by bucket, or under ZeRO-1 their reduce-scatter and, after the step, the all-gather
+        of the updated parameters in the plan's dtype. The reduction overlaps backward (its
+        buckets are issued as they become ready), all but the `last_params` that backward
+        produces last (the first stage's first layer: an embedding's gradient is complete only
+        when backward ends) and at least one bucket; the gather overlaps nothing."""
+        P = num_pipelines
+        if P <= 1:
+            return SyncCost(0.0, 0.0, 0.0)
+        k = buckets_of(params, bucket_bytes)  # one collective per bucket, each with its latency
+        collective = reduce_scatter_s if sharding == "zero1" else all_reduce_s
+        scope = self.link("reduce_scatter" if sharding == "zero1" else "all_reduce", inter_node)
+
+        def reduced_s(count: int) -> float:
+            """`count` parameters' gradients reduced bucket by bucket."""
+            n = buckets_of(count, bucket_bytes)
+            return n * collective(count * FP32_BYTES / n, P, scope) if count else 0.0
+
+        reduce, gather = reduced_s(params), 0.0
+        if sharding == "zero1":
+            dtype_bytes = self.profile.bytes_per_param
+            gather = k * all_gather_s(params * dtype_bytes / k, P, self.link("all_gather", inter_node))
+        return SyncCost(reduce, max(reduce / k, reduced_s(last_params)), gather)
 
     # ---- a whole plan ---------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:
@@ -443,16 +573,32 @@ class CostModel:
         mbs = plan.micro_batch_size
         multi_node = len(plan.nodes()) > 1
         P = len(plan.pipelines)
-        sync_buffers = sync_buffer_bytes(plan)
-        stages: list[StagePrediction] = []
-        pipeline_times = []
-        for pi, pipe in enumerate(plan.pipelines):
+        layout = plan.optimizer
+        states = state_bytes(plan, self.profile.bytes_per_param)
+        priced = []  # per pipeline: stage costs, p2p, time, sync, hide window
+        for pipe in plan.pipelines:
             costs = [self.stage_of(st, mbs) for st in pipe.stages]
             p2p = [self.p2p_s(costs[si], _crosses_nodes(pipe, si)) for si in range(len(pipe.stages) - 1)]
+            time_s = pipeline_time_s(
+                [c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, pipe.num_microbatches
+            )
+            buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
+            sync = self.sync(
+                max(c.param_count for c in costs),
+                P,
+                multi_node,
+                last_params=self.stage(0, 1, costs[0].tp, mbs).param_count,
+                sharding=layout.sharding,
+                bucket_bytes=layout.bucket_bytes,
+            )
+            priced.append((costs, p2p, time_s, sync, hide_window_s([c.bwd_s for c in costs], p2p, buckets)))
+        hide = min(h for *_, h in priced)  # every bucket waits for its holder in the least-hiding pipeline
+        stages: list[StagePrediction] = []
+        for pi, (pipe, (costs, p2p, time_s, sync, _)) in enumerate(zip(plan.pipelines, priced, strict=True)):
             m = pipe.num_microbatches
-            pipeline_times.append(pipeline_time_s([c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, m))
             for si, (st, cost) in enumerate(zip(pipe.stages, costs, strict=True)):
-                held = in_flight(si, len(pipe.stages), m)
+                state = max((states[d] for d in st.devices), key=_total)
+                kept = state.masters / max(1, cost.param_count * FP32_BYTES)
                 stages.append(
                     StagePrediction(
                         pipeline=pi,
@@ -460,13 +606,16 @@ class CostModel:
                         devices=st.devices,
                         cost=cost,
                         p2p_s=p2p[si] if si < len(p2p) else 0.0,
-                        bubble_s=pipeline_times[-1] - m * (cost.fwd_s + cost.bwd_s),
-                        sync_s=self.sync_s(cost, P, multi_node),
-                        memory=cost.memory_bytes(held, max(sync_buffers[d] for d in st.devices)),
+                        bubble_s=time_s - m * (cost.fwd_s + cost.bwd_s),
+                        sync_s=sync.exposed_s(hide),
+                        sync_hidden_s=sync.hidden_s(hide),
+                        optimizer_s=cost.optimizer_s * min(1.0, kept),
+                        memory=cost.memory_bytes(in_flight(si, len(pipe.stages), m), state),
                     )
                 )
+        pipeline_times = [t for _, _, t, _, _ in priced]
         sync = max(s.sync_s for s in stages)
-        optimizer = max(s.cost.optimizer_s for s in stages)
+        optimizer = max(s.optimizer_s for s in stages)
         return Estimate(
             step_time_s=max(pipeline_times) + sync + optimizer,
             global_batch_size=plan.global_batch_size,
@@ -479,18 +628,8 @@ class CostModel:
         )
 
 
-def sync_buffer_bytes(plan: Plan) -> dict[str, int]:
-    """Per device, the gradient sync's buffer bytes beyond its gradients: segments that are part of a
-    local gradient are packed into a bucket buffer; whole local gradients live in theirs
-    (runtime/grad_sync.py)."""
-    local = {d: {spec.name: box for spec, box in device_pieces(plan, d)} for d in plan.devices}
-    extra = dict.fromkeys(plan.devices, 0)
-    for holders, segments in sync_buckets(plan).items():
-        for device in holders:
-            extra[device] += sum(
-                seg.numel * FP32_BYTES for name, seg in segments if seg != local[device][name]
-            )
-    return extra
+def _total(state: StateBytes) -> int:
+    return state.masters + state.grads + state.moments + state.steps + state.gather
 
 
 def _crosses_nodes(pipe: Pipeline, si: int) -> bool:

@@ -131,12 +131,13 @@ def device_pieces(plan: Plan, device: str) -> list[tuple[ParamSpec, Box]]:
     ]
 
 
-def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
-    """Gradient-sync buckets: holder devices (in rank order) -> the (parameter, segment) they reduce.
+def holder_sets(plan: Plan) -> dict[tuple[str, ...], tuple[bool, list[tuple[ParamSpec, Box]]]]:
+    """Every segment of every parameter, grouped by its holder devices (in rank order): holders ->
+    (whether the segment needs a reduction, its (parameter, segment) list in layer order).
 
-    Only segments whose holders sit in two or more stages appear (see the module docstring).
-    Iteration order is deterministic (parameters in layer order, devices in rank order), so every
-    rank creates the same groups in the same order.
+    A segment needs a reduction when its holders sit in two or more stages, or in one stage under
+    sequence parallelism (see the module docstring). Iteration order is deterministic (parameters in
+    layer order, devices in rank order), so every rank builds the same groups in the same order.
     """
     rank = {d: i for i, d in enumerate(plan.devices)}
     holders: dict[str, list[tuple[str, Box]]] = defaultdict(list)
@@ -145,15 +146,27 @@ def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
         for spec, box in device_pieces(plan, device):
             holders[spec.name].append((device, box))
             specs[spec.name] = spec
-    buckets: dict[tuple[str, ...], list[tuple[str, Box]]] = defaultdict(list)
+    sets: dict[tuple[str, ...], tuple[bool, list[tuple[ParamSpec, Box]]]] = {}
     for name in _layer_order(plan.model, specs):
         spec = specs[name]
         for segment in segments(spec, [box for _, box in holders[name]]):
             owners = tuple(sorted((d for d, box in holders[name] if box.contains(segment)), key=rank.get))
             stages = {plan.placement(d) for d in owners}
-            if len(stages) > 1 or (len(owners) > 1 and _sequence_parallel(plan, owners[0])):
-                buckets[owners].append((name, segment))
-    return dict(sorted(buckets.items(), key=lambda kv: [rank[d] for d in kv[0]]))
+            reduced = len(stages) > 1 or (len(owners) > 1 and _sequence_parallel(plan, owners[0]))
+            sets.setdefault(owners, (reduced, []))[1].append((spec, segment))
+    return dict(sorted(sets.items(), key=lambda kv: [rank[d] for d in kv[0]]))
+
+
+def sync_buckets(plan: Plan) -> dict[tuple[str, ...], list[tuple[str, Box]]]:
+    """Gradient-sync buckets: holder devices (in rank order) -> the (parameter, segment) they reduce.
+
+    Only segments that need a reduction appear (`holder_sets`), in the same deterministic order.
+    """
+    return {
+        owners: [(spec.name, box) for spec, box in segs]
+        for owners, (reduced, segs) in holder_sets(plan).items()
+        if reduced
+    }
 
 
 def contributes(plan: Plan, device: str, holders: tuple[str, ...]) -> bool:

@@ -29,6 +29,48 @@ class PlanInvalid(ElastorError):
 
 DTYPES = ("float32", "bfloat16")  # the plan's parameter and activation dtype; masters stay fp32
 RECOMPUTE = ("none", "selective", "full")  # activation recomputation of a stage's blocks
+SHARDING = ("none", "zero1")  # optimizer state: on every holder, or sliced over each bucket's holders
+# Gradient buckets hold at most this many bytes of fp32 main gradient (DDP's default bucket cap,
+# 25 MiB): small enough that reductions start early in backward, large enough to fill the links.
+BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True)
+class OptimizerLayout:
+    """How the optimizer's state and the gradient reduction are laid out (costmodel/sharding.py).
+
+    `sharding` "zero1": each gradient bucket is reduce-scattered over its holders, each holder keeps
+    fp32 masters and AdamW moments of its own slice only, and the updated slices are all-gathered
+    back in the plan's dtype (Rajbhandari et al. 2020, ZeRO stage 1). "none": the bucket is
+    all-reduced and every holder updates all of it. `bucket_bytes` caps a bucket's fp32 gradient.
+    """
+
+    sharding: str = "none"
+    bucket_bytes: int = BUCKET_BYTES
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.sharding not in SHARDING:
+            found.append(f"optimizer.sharding {self.sharding!r} is not one of {', '.join(SHARDING)}.")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4:
+            found.append(
+                f"optimizer.bucket_bytes must be an integer of at least 4, not {self.bucket_bytes!r}."
+            )
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"sharding": self.sharding}
+        if self.bucket_bytes != BUCKET_BYTES:
+            data["bucket_bytes"] = self.bucket_bytes
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> "OptimizerLayout":
+        if not isinstance(data, dict):
+            raise ElastorError(
+                f'The plan\'s optimizer must be an object such as {{"sharding": "zero1"}}, not {data!r}.'
+            )
+        return cls(sharding=data.get("sharding", "none"), bucket_bytes=data.get("bucket_bytes", BUCKET_BYTES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +155,7 @@ class Plan:
     seq_len: int
     pipelines: tuple[Pipeline, ...]
     dtype: str = "float32"  # parameters and activations; master weights, main grads, moments are fp32
+    optimizer: OptimizerLayout = OptimizerLayout()
     predicted: dict[str, Any] | None = None  # the cost model's estimate, if a solver made the plan
     solver: dict[str, Any] | None = None  # method, status, wall_s
 
@@ -152,6 +195,7 @@ class Plan:
             problems.append(f"seq_len {self.seq_len} is outside 1..{model.max_seq_len}, the model's maximum.")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
+        problems.extend(self.optimizer.problems())
         if not self.pipelines:
             problems.append("The plan has no pipeline.")
         total_mb = sum(p.num_microbatches for p in self.pipelines)
@@ -245,6 +289,8 @@ class Plan:
             "dtype": self.dtype,
             "pipelines": [p.to_json() for p in self.pipelines],
         }
+        if self.optimizer != OptimizerLayout():
+            data["optimizer"] = self.optimizer.to_json()
         if self.predicted is not None:
             data["predicted"] = self.predicted
         if self.solver is not None:
@@ -266,6 +312,7 @@ class Plan:
             micro_batch_size=data["micro_batch_size"],
             seq_len=data["seq_len"],
             dtype=data.get("dtype", "float32"),
+            optimizer=OptimizerLayout.from_json(data.get("optimizer", {})),
             pipelines=tuple(Pipeline.from_json(p) for p in data["pipelines"]),
             predicted=data.get("predicted"),
             solver=data.get("solver"),
@@ -299,5 +346,6 @@ class Plan:
             f"{self.model.name}: {len(self.pipelines)} pipeline(s) on {self.world_size} device(s), "
             f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
             f"{self.global_batch_size // max(self.micro_batch_size, 1)}, seq_len {self.seq_len}, {self.dtype}"
+            + (f", optimizer {self.optimizer.sharding}" if self.optimizer.sharding != "none" else "")
         )
         return f"{head}\n{format_table(rows)}"

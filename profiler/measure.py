@@ -35,7 +35,7 @@ from costmodel.profile import LayerCost, LayerProfile, ModelProfile
 from profiler import defaults
 from profiler.layers import KINDS, build_shard, example_input
 from profiler.memory import cuda_activation_bytes, saved_tensor_bytes
-from runtime.grad_sync import owned_square_sum
+from runtime.dist_optim import square_sum
 from runtime.memory import LiveBytes
 from runtime.optim import OptimConfig, build_optimizer
 
@@ -174,14 +174,13 @@ def _optimizer_s(shard: torch.nn.Module, device: str, warmup: int, repeats: int)
     for p in params.values():
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(params, OptimConfig())
-    whole = {name: [(-1, 0, 0)] for name in params}  # a single holder owns every element
     times, discarded = [], 0
     for attempt in range(warmup + repeats * (1 + MAX_RETRIES_PER_RUN)):
         if device == "cuda":
             torch.cuda.synchronize()
         cpu0, t0 = time.thread_time(), time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
-        owned_square_sum(params, whole).item()
+        square_sum([p.grad for p in params.values()], device).item()
         for p in params.values():
             p.grad.mul_(0.5)  # the clip, as when the norm exceeds the threshold
         optimizer.step()

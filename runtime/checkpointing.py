@@ -29,7 +29,9 @@ def resume(trainer: Trainer, ckpt_dir: Path, metrics: MetricsWriter | None) -> b
         Wanted(p.name, p.global_shape, p.offsets, tuple(p.tensor.shape), p.tensor.dtype) for p in pieces
     ]
     tensors, meta = load_checkpoint(path, wanted, model=trainer.plan.model)
-    restore_training_state(trainer, {w.name: t for w, t in zip(wanted, tensors, strict=True)}, meta)
+    restore_training_state(
+        trainer, {(w.name, w.offsets): t for w, t in zip(wanted, tensors, strict=True)}, meta
+    )
     if metrics:
         saved_under = meta["plan"]
         metrics.event(

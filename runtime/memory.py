@@ -80,13 +80,9 @@ class MeasuredMemory:
 
 def static_bytes(trainer) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer) bytes the trainer holds between steps."""
-    precision = trainer.precision
-    params = distinct_bytes(
-        [*precision.model_params.values(), *(precision.masters.values() if precision.mixed else [])]
-    )
-    grads = distinct_bytes(
-        [m.grad for m in precision.masters.values()] + [b.buffer for b in trainer.sync.buckets]
-    )
+    main = trainer.main
+    params = distinct_bytes([*main.model_params.values(), *(h.masters for h in main.held)])
+    grads = distinct_bytes([h.grads for h in main.held])
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return params, grads, distinct_bytes(state)
 

@@ -50,14 +50,18 @@ class OptimConfig:
         return cls(**data)
 
 
-def build_optimizer(params: dict[str, torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over named parameters: decay for matrices, none for norm weights (1-D).
+def build_optimizer(
+    params: dict[str, torch.nn.Parameter] | list[torch.nn.Parameter], config: OptimConfig
+) -> torch.optim.AdamW:
+    """AdamW over parameters (named, or rows of them: runtime/dist_optim.py keeps a matrix's rows
+    2-D and a norm's 1-D): decay for matrices, none for norm weights (1-D).
 
     torch's fused implementation (one kernel over all tensors, on CUDA and on CPU): the for-each and
     per-tensor ones make parameter-sized temporaries (the square root of the second moment, the
     update), which would be a step's memory peak on a stage of few activations."""
-    decay = [p for p in params.values() if p.ndim >= 2]
-    no_decay = [p for p in params.values() if p.ndim < 2]
+    params = list(params.values()) if isinstance(params, dict) else list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -69,7 +73,7 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], config: OptimConfig) 
         eps=config.eps,
         fused=True,
     )
-    for p in params.values():  # AdamW's own zero state, made up front so a checkpoint at step 0 has it
+    for p in params:  # AdamW's own zero state, made up front so a checkpoint at step 0 has it
         optimizer.state[p] = {
             "step": torch.tensor(0.0, device=p.device),  # the fused kernel reads it where it runs
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),

@@ -2,8 +2,10 @@
 
 Micikevicius et al. 2018 ("Mixed Precision Training"): the model's parameters and activations are
 16-bit, the optimizer owns an fp32 master copy of every parameter, and gradients accumulate in fp32
-across micro-batches. Here a stage module's parameters are cast to the plan's dtype; `MasterWeights`
-keeps an fp32 copy of each, whose `.grad` is the fp32 main gradient. A post-accumulate-grad hook on
+across micro-batches. The distributed runtime keeps its masters and main gradients in gradient
+buckets (runtime/dist_optim.py); `MasterWeights` is the same arithmetic for one whole model in one
+process (runtime/reference.py, the profiler): a model's parameters are cast to the dtype, and an
+fp32 copy of each is kept, whose `.grad` is the fp32 main gradient. A post-accumulate-grad hook on
 each 16-bit parameter adds the micro-batch's gradient into the main gradient as soon as autograd has
 produced it and frees the 16-bit gradient, so no 16-bit gradient outlives its micro-batch (Megatron's
 `main_grad`). The gradient sync, the global norm, clipping, AdamW and the checkpoint all work on the

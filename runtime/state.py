@@ -2,20 +2,23 @@
 
 `training_state(trainer)` returns
 
-- a list of `StatePiece(name, global_shape, offsets, tensor)`: for every parameter this rank holds,
-  its shard (name = the global parameter name, e.g. "blocks.3.attn.wq.weight") and the shards of
-  its AdamW moments ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>"), all fp32, in the same box.
-  `tensor` is the live tensor, not a copy: snapshot it before training continues. Replicas (data-
-  parallel copies, a stage's TP ranks sharing a norm) appear on every rank that holds them; which
-  rank writes which bytes is the checkpoint's choice;
+- a list of `StatePiece(name, global_shape, offsets, tensor)`: for every run of rows whose optimizer
+  state this rank keeps (runtime/dist_optim.py; `costmodel.sharding.state_boxes` of the plan), its
+  fp32 master (name = the global parameter name, e.g. "blocks.3.attn.wq.weight") and its AdamW
+  moments ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>") in the same box. `tensor` is a live
+  view in the global layout, not a copy: snapshot it before training continues. Replicas (data-
+  parallel copies without ZeRO-1, a stage's TP ranks sharing a norm) appear on every rank that
+  keeps them; which rank writes which bytes is the checkpoint's choice. Under ZeRO-1 each slice
+  appears on its owner only, so its owner writes it;
 - a JSON-able dict: `step` (optimizer steps done; every parameter's AdamW step count equals it),
   `data` (`cursor`, the next sample index, and the source), `lr_schedule` (the `OptimConfig`,
   which with `step` fixes every future learning rate), `seed`, `rng` (base64 torch RNG states and
   Python's), `model` (the model config) and `plan` (the plan it was saved under).
 
 `restore_training_state(trainer, tensors, meta)` is the inverse on a trainer built for any plan of
-the same model: `tensors` maps each name of `training_state(trainer)`'s pieces to a tensor of that
-piece's local shape (the boxes to load are those pieces' boxes under the new plan); it copies them in,
+the same model: `tensors` maps each (name, offsets) of `state_pieces(trainer)` to a tensor of that
+piece's shape (the boxes to load are those pieces' boxes under the new plan); it copies them in,
+publishes the masters into the module (under ZeRO-1 an all-gather: every rank restores together),
 sets the AdamW step counts, step, cursor, schedule, seed, data stream and RNG states (a synthetic
 stream resumes with its saved seed; a file stream with the trainer's file, which must be one). A
 checkpoint of another model is an `ElastorError`. No part of a training step draws random numbers
@@ -47,16 +50,20 @@ class StatePiece:
 
 
 def state_pieces(trainer) -> list[StatePiece]:
-    """Parameters, then their AdamW moments, in the model's parameter order."""
+    """Masters, then their AdamW moments, in the order of the rank's buckets."""
     pieces = []
-    for name, param in trainer.params.items():
-        spec, box = trainer.model.pieces[name]
-        pieces.append(StatePiece(name, spec.shape, box.offsets, param.data))
-    for name, param in trainer.params.items():
-        spec, box = trainer.model.pieces[name]
-        state = trainer.optimizer.state[param]
+    for piece in trainer.main.pieces:
+        spec, box = piece.rows.spec, piece.rows.box
+        pieces.append(StatePiece(spec.name, spec.shape, box.offsets, piece.global_view(piece.param)))
+    for piece in trainer.main.pieces:
+        spec, box = piece.rows.spec, piece.rows.box
+        state = trainer.optimizer.state[piece.param]
         for moment in MOMENTS:
-            pieces.append(StatePiece(f"optim.{moment}.{name}", spec.shape, box.offsets, state[moment]))
+            pieces.append(
+                StatePiece(
+                    f"optim.{moment}.{spec.name}", spec.shape, box.offsets, piece.global_view(state[moment])
+                )
+            )
     return pieces
 
 
@@ -82,18 +89,18 @@ def restore_training_state(trainer, tensors: dict[str, torch.Tensor], meta: dict
             f"model {ours.name!r} ({ours.param_count:,}); point --ckpt-dir at a checkpoint of this model."
         )
     for piece in state_pieces(trainer):
-        if piece.name not in tensors:
+        loaded = tensors.get((piece.name, piece.offsets))
+        if loaded is None:
             raise ElastorError(f"The checkpoint lacks {piece.name} at offsets {piece.offsets}.")
-        loaded = tensors[piece.name]
         if tuple(loaded.shape) != tuple(piece.tensor.shape):
             raise ElastorError(
                 f"The checkpoint's {piece.name} piece has shape {tuple(loaded.shape)}, "
                 f"not {tuple(piece.tensor.shape)}."
             )
         piece.tensor.copy_(loaded)
-    trainer.precision.publish()
-    for param in trainer.params.values():
-        trainer.optimizer.state[param]["step"].fill_(float(meta["step"]))
+    trainer.main.publish()
+    for piece in trainer.main.pieces:
+        trainer.optimizer.state[piece.param]["step"].fill_(float(meta["step"]))
     trainer.step, trainer.cursor = int(meta["step"]), int(meta["data"]["cursor"])
     trainer.optim = OptimConfig.from_json(meta["lr_schedule"])
     trainer.seed = int(meta["seed"])

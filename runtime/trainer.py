@@ -1,20 +1,21 @@
 """Training from any valid plan: one `Trainer` per rank, built by an ordered list of steps.
 
 Construction, in order: the process groups of the plan (every rank, same order), this rank's stage
-module (its layers, its TP shard, initialised from the seed, then cast to the plan's dtype with fp32
-master weights beside it: runtime/precision.py), the pipeline schedule, the gradient sync, AdamW
-over the masters. One optimizer step (`train_step`):
+module (its layers, its TP shard, initialised from the seed), its main state (runtime/dist_optim.py:
+fp32 main-gradient buckets, fp32 masters of the rows it keeps, the module cast to the plan's
+dtype), the pipeline schedule, AdamW over the masters. One optimizer step (`train_step`):
 
 1. run the pipeline's 1F1B schedule over its micro-batches of samples [cursor, cursor + B);
-   gradients accumulate in the masters' fp32 main gradients;
-2. all-reduce every gradient segment among exactly its holders (`GradSync`);
+   gradients accumulate into the fp32 buckets, and each bucket's reduction (all-reduce, or
+   reduce-scatter under ZeRO-1) is issued as soon as backward has produced all of it;
+2. wait for the reductions;
 3. one all-reduce over the job of [owned squared gradient, loss share]: the global norm and loss;
-4. clip, set the scheduled learning rate, AdamW step on the masters, round them into the module;
-   advance step and cursor.
+4. clip, set the scheduled learning rate, AdamW step on the masters, publish them into the module
+   (a copy, or under ZeRO-1 an all-gather of each bucket); advance step and cursor.
 
-Everything that defines the training state lives on the trainer (`params`, the fp32 masters by
-global name, `optimizer`, `step`, `cursor`, `optim`, `seed`); runtime/state.py turns it into
-checkpoint pieces and back.
+Everything that defines the training state lives on the trainer (`main.pieces`, the fp32 masters
+by rows of global parameters, `optimizer`, `step`, `cursor`, `optim`, `seed`); runtime/state.py turns
+it into checkpoint pieces and back.
 """
 
 import time
@@ -25,11 +26,11 @@ import torch.distributed as dist
 
 from costmodel.plan import Plan
 from runtime.data import Prefetcher, open_source, pipeline_samples
+from runtime.dist_optim import MainState
 from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
-from runtime.grad_sync import GradSync, owned_regions, owned_square_sum
 from runtime.optim import OptimConfig, build_optimizer, set_lr
 from runtime.pipeline import PipelineSchedule
-from runtime.precision import MasterWeights
+from runtime.precision import DTYPES
 from runtime.stage import StageModule
 
 
@@ -62,19 +63,17 @@ class Trainer:
         self.tp_rank = stage.devices.index(device)
 
         self.model = StageModule(plan, device, self.groups.group(stage.devices), seed=seed).to(ctx.device)
-        self.precision = MasterWeights(self.model, plan.dtype)
-        self.params = self.precision.masters
+        # fp32 masters and main gradient buckets from the fp32 weights; the module becomes plan.dtype
+        self.main = MainState(plan, device, self.model, self.groups, DTYPES[plan.dtype])
         self.schedule = PipelineSchedule(
             plan,
             device,
             self.model,
             torch_device=ctx.device,
             global_tokens=plan.global_batch_size * plan.seq_len,
-            dtype=self.precision.dtype,
+            dtype=DTYPES[plan.dtype],
         )
-        self.sync = GradSync(plan, device, self.params, self.groups)
-        self.norm_regions = owned_regions(plan, device)
-        self.optimizer = build_optimizer(self.params, optim)
+        self.optimizer = build_optimizer([piece.param for piece in self.main.pieces], optim)
         self.step, self.cursor = 0, 0
 
         # The sample stream (runtime/data.py); synthetic tokens from the seed unless one is given.
@@ -103,12 +102,12 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
-        loss = self.schedule.run(self._micro_batches())
-        self.sync.all_reduce()
+        self.main.zero_grad()
+        loss = self.schedule.run(self._micro_batches())  # hooks issue the bucket reductions
+        self.main.finish_reduction()
         totals = torch.stack(
             [
-                owned_square_sum(self.params, self.norm_regions),
+                self.main.owned_square_sum(),
                 loss.float() if self.reports_loss else torch.zeros((), device=self.ctx.device),
             ]
         )
@@ -116,12 +115,11 @@ class Trainer:
         norm, global_loss = totals[0].sqrt().item(), totals[1].item()
         coef = self.optim.clip_coefficient(norm)
         if coef < 1.0:
-            for p in self.params.values():
-                p.grad.mul_(coef)
+            self.main.scale_grads(coef)
         lr = self.optim.lr_at(self.step)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        self.precision.publish()
+        self.main.publish()
         self.step += 1
         self.cursor += self.plan.global_batch_size
         return StepResult(

@@ -54,6 +54,7 @@ node-drop (Elastor's search on the fully healthy nodes) and pow2-greedy.
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 
@@ -61,11 +62,13 @@ from costmodel import ClusterSpec, NodeSpec, Plan
 from costmodel.errors import ElastorError
 from costmodel.estimate import CostModel, in_flight
 from costmodel.profile import ModelProfile
+from costmodel.sharding import state_bytes
 from solver import baselines
-from solver.core import Limits, Outcome, plan_limits, search, tp_degrees, usable_micro_batch_sizes
+from solver.core import Limits, Outcome, Pass, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
 from solver.stages import stage_table
+from solver.templates import fewest_gpus
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
@@ -82,6 +85,7 @@ def solve(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     *,
     limits: Limits | None = None,
+    sharding: Sequence[str] = ("none",),
 ) -> Plan:
     """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists."""
     started = time.perf_counter()
@@ -94,36 +98,90 @@ def solve(
     passes = {}
     plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
     for recompute in RECOMPUTE_PASSES:
-        if recompute != "none" and not helps(profile, cluster, global_batch_size, sizes, recompute):
+        if recompute != "none" and not helps(
+            profile, cluster, global_batch_size, sizes, Pass(), Pass(recompute)
+        ):
             passes[recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
             continue
-        found = _solve_pass(
-            profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, recompute
-        )
-        if found is None:
-            passes[recompute] = None
-            continue
-        plan, info = found
-        plan = relax_recompute(plain, plan)
-        estimate = plain.estimate(plan)
-        passes[recompute] = round(estimate.step_time_s, 6)
-        if best is None or estimate.step_time_s < best[0]:
-            best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
+        for mode in sharding_passes(profile, cluster, global_batch_size, sizes, recompute, method, sharding):
+            upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
+            found = _solve_pass(
+                profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, mode, upper
+            )
+            if found is None:
+                passes[mode.name] = None if best is None else "no faster plan"
+                continue
+            plan, info = found
+            plan = relax_recompute(plain, plan)
+            estimate = plain.estimate(plan)
+            passes[mode.name] = round(estimate.step_time_s, 6)
+            if best is None or estimate.step_time_s < best[0]:
+                best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
     if best is None:
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
     _, plan, info = best
-    info["recompute_passes"] = passes  # predicted step time of each pass's answer (None: no plan)
+    info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
     return dataclasses.replace(plan, solver=info)
 
 
+def sharding_passes(profile, cluster, gbs, sizes, recompute, method, sharding):
+    """The passes of one recompute mode: unsharded; then, where `sharding` allows ZeRO-1 and the method
+    searches Elastor's space, ZeRO-1 over at least 2 pipelines, and over at least R, the most
+    pipelines (a power of two) whose stages can fit (R times the fewest GPUs a pipeline needs there
+    is at most the GPUs), when R shards more memory loose than 2 does (`helps`). A plan of P
+    pipelines is priced in the pass of the largest such count not above P, conservatively in
+    memory and optimizer step between 2 and R; the final estimate prices it exactly. The ZeRO-1 pass
+    over 2 runs where memory frees nothing only for a 16-bit profile: in fp32 the reduce-scatter and
+    the gather move the all-reduce's bytes and leave the gather exposed, so only memory (or a smaller
+    optimizer step, not searched for) could make ZeRO-1 faster; in 16-bit the gather moves half."""
+    if "none" in sharding:
+        yield Pass(recompute)
+    if "zero1" not in sharding or method not in ("elastor", "node-drop"):
+        return
+    gpus = len(cluster.devices)
+    most = min(gpus, gbs // min(sizes, default=gbs))  # pipelines a plan can have
+    if most < 2:
+        return
+    two = Pass(recompute, "zero1", 2)
+    by_time = profile.dtype != "float32"
+    if (by_time or helps(profile, cluster, gbs, sizes, Pass(recompute), two)) and (
+        2 * _fewest_gpus(profile, cluster, sizes, two) <= gpus
+    ):
+        yield two
+    widest = 4
+    while (
+        2 * widest <= most
+        and 2 * widest * _fewest_gpus(profile, cluster, sizes, Pass(recompute, "zero1", 2 * widest)) <= gpus
+    ):
+        widest *= 2
+    far = Pass(recompute, "zero1", widest)
+    fits = widest <= most and widest * _fewest_gpus(profile, cluster, sizes, far) <= gpus
+    if fits and helps(profile, cluster, gbs, sizes, two, far):
+        yield far
+
+
+def _fewest_gpus(profile, cluster, sizes, mode: Pass) -> int:
+    """The fewest GPUs any pipeline of pass `mode` needs (its stages must fit in memory)."""
+    cm, gpus = mode.cost_model(profile, cluster), len(cluster.devices)
+    tps = tp_degrees(profile, cluster)
+    return min(
+        (
+            fewest_gpus({t: stage_table(cm, t, mbs) for t in tps}, profile.model.num_layers, gpus)
+            for mbs in sizes
+        ),
+        default=gpus + 1,
+    )
+
+
 def _solve_pass(
-    profile, cluster, gbs, method, sizes, time_limit_s, limits, recompute
+    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf
 ) -> tuple[Plan, dict] | None:
-    """The fastest plan of `method`'s family with every stage in `recompute`, and its solver block."""
+    """The fastest plan of `method`'s family in pass `mode`, and its solver block; Elastor's search
+    looks only for plans faster than `upper_bound_s` (None when there is none)."""
     info: dict = {"method": method}
     if method == "elastor":
-        outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute)
+        outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
         plan = outcome.plan
     elif method == "node-drop":
         healthy = fully_healthy(cluster)
@@ -132,12 +190,12 @@ def _solve_pass(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
                 f"has all {max(len(n.gpus) for n in cluster.nodes)} GPUs."
             )
-        outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, recompute)
+        outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
         plan = outcome.plan
         info["nodes"] = [n.name for n in healthy.nodes]
     else:
         family = baselines.uniform if method == "uniform" else baselines.pow2_greedy
-        found = family(profile, cluster, gbs, sizes, recompute)
+        found = family(profile, cluster, gbs, sizes, mode.recompute)
         plan = found[1] if found else None
         outcome = None
     if plan is None:
@@ -157,19 +215,20 @@ def _solve_pass(
 
 
 def helps(
-    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], recompute: str
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], base: Pass, other: Pass
 ) -> bool:
-    """Whether a pass with every stage in `recompute` can beat the plain one: only if some stage that
-    holds fewer micro-batches without recomputation than 1F1B could ask of it (min(stages after it,
-    micro-batches): at most the layers, the GPUs and the micro-batches) holds more with it. Otherwise
-    every plan of the pass fits without recomputation too, as fast or faster, and the pass is
-    skipped: exact, and most passes end here when memory does not bind."""
-    plain, other = CostModel(profile, cluster), CostModel(profile, cluster, recompute=recompute)
+    """Whether pass `other` can beat pass `base` by memory: only if some stage that holds fewer
+    micro-batches under `base` than 1F1B could ask of it (min(stages after it, micro-batches): at most
+    the layers, the GPUs and the micro-batches) holds more under `other`. Otherwise every plan of
+    the pass fits under `base` too, and (for recomputation, which only adds time) is as fast or
+    faster there: the pass is skipped, exactly; most passes end here when memory does not bind."""
+    short_cm, more_cm = base.cost_model(profile, cluster), other.cost_model(profile, cluster)
     L = profile.model.num_layers
     for mbs in sizes:
         most = min(L, len(cluster.devices), gbs // mbs)
         for tp in tp_degrees(profile, cluster):
-            short, more = stage_table(plain, tp, mbs).max_in_flight, stage_table(other, tp, mbs).max_in_flight
+            short = stage_table(short_cm, tp, mbs).max_in_flight
+            more = stage_table(more_cm, tp, mbs).max_in_flight
             for s in range(L):
                 for e in range(s + 1, L + 1):
                     if short[s][e] < most and more[s][e] > short[s][e]:
@@ -179,7 +238,9 @@ def helps(
 
 def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
     """Each stage in the lightest recompute mode (none before selective before full) in which it still
-    fits in memory with the micro-batches 1F1B keeps in flight on it: never slower, same memory bound."""
+    fits in memory with the micro-batches 1F1B keeps in flight on it, beside the optimizer state its
+    devices keep under the plan (`costmodel.sharding.state_bytes`): never slower, same memory bound."""
+    states = state_bytes(plan, cm.profile.bytes_per_param)
     pipelines = []
     for pipe in plan.pipelines:
         stages = []
@@ -188,7 +249,8 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
             for mode in RECOMPUTE_PASSES[: RECOMPUTE_PASSES.index(stage.recompute)]:
                 lighter = dataclasses.replace(stage, recompute=mode)
                 cost = cm.stage_of(lighter, plan.micro_batch_size)
-                if sum(cost.memory_bytes(held).values()) <= cm.usable_memory_bytes:
+                peak = max(sum(cost.memory_bytes(held, states[d]).values()) for d in stage.devices)
+                if peak <= cm.usable_memory_bytes:
                     stage = lighter
                     break
             stages.append(stage)
@@ -196,7 +258,9 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
     return dataclasses.replace(plan, pipelines=tuple(pipelines))
 
 
-def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute) -> Outcome:
+def _elastor(
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf
+) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
     solved again with the faster baselines' pipelines among its templates. The node-drop baseline is
     one of them: a family of the search space is not closed under adding GPUs (on 255 full nodes and
@@ -211,12 +275,13 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute) -> O
         micro_batch_sizes=sizes,
         time_limit_s=time_limit_s,
         limits=limits,
-        recompute=recompute,
+        mode=mode,
+        upper_bound_s=upper_bound_s,
     )
     if (limits or plan_limits(profile, capacities)).complete:
         return outcome
     found = [
-        family(profile, cluster, gbs, sizes, recompute)
+        family(profile, cluster, gbs, sizes, mode.recompute)
         for family in (baselines.uniform, baselines.pow2_greedy)
     ]
     whole = fully_healthy(cluster)
@@ -228,13 +293,14 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute) -> O
             tuple(sizes),
             time_limit_s,
             limits,
-            recompute,
+            mode,
         )
         dropped = _DROPPED.get(
-            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, recompute)
+            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
         )
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
-    seeds = [f for f in found if f and f[0] < outcome.objective_s * (1 - 1e-12)]
+    beat = min(outcome.objective_s, upper_bound_s)
+    seeds = [f for f in found if f and f[0] < beat * (1 - 1e-12)]
     if not seeds:
         return outcome
     left = time_limit_s - (time.perf_counter() - started)
@@ -246,7 +312,8 @@ def _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, recompute) -> O
         time_limit_s=max(left, 0.0),
         limits=limits,
         seeds=[plan for _, plan in seeds],
-        recompute=recompute,
+        mode=mode,
+        upper_bound_s=upper_bound_s,
     )
 
 

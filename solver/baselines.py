@@ -23,12 +23,12 @@ from itertools import pairwise
 import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan
-from costmodel.estimate import CostModel, steady_period_s
+from costmodel.estimate import CostModel, plan_sync_s, steady_period_s
 from costmodel.profile import ModelProfile
-from solver.core import sync, tp_degrees
+from solver.core import pipeline_sync, tp_degrees
 from solver.master import balance
 from solver.skeletons import Splitter, block_uniform
-from solver.stages import StageTable, exchanges_s, stage_table
+from solver.stages import StageTable, exchanges_s, stage_table, sync_terms
 from solver.templates import fewest_gpus
 
 # A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
@@ -48,11 +48,15 @@ def _fits(tables: dict[int, StageTable], stages: Sequence[Placed]) -> bool:
 
 def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> float:
     """Step time of a plan from the stage tables: slowest pipeline + sync + optimizer (as estimate)."""
-    nodes = {st[3] for pipe in pipes for st in pipe}
-    params = max(tables[tp].params[s][e] for pipe in pipes for s, e, tp, *_ in pipe)
+    inter = len({st[3] for pipe in pipes for st in pipe}) > 1
     optimizer = max(tables[tp].optimizer_s[s][e] for pipe in pipes for s, e, tp, *_ in pipe)
     slowest = max(_pipeline_time(tables, pipe, m) for pipe, m in zip(pipes, counts, strict=True))
-    return slowest + sync(cm, len(nodes) > 1)(len(pipes), params) + optimizer
+    priced = []
+    for pipe in pipes:
+        hide, last = sync_terms(tables, [st[:3] for st in pipe], [st[3] for st in pipe])
+        widest = max(tables[tp].params[s][e] for s, e, tp, *_ in pipe)
+        priced.append((pipeline_sync(cm, inter, len(pipes), widest, last), hide))
+    return slowest + plan_sync_s(priced) + optimizer
 
 
 def _plan(cm: CostModel, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:
@@ -66,6 +70,7 @@ def _plan(cm: CostModel, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], c
             )
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
+        optimizer=cm.optimizer,
         model=cm.profile.model,
         global_batch_size=gbs,
         micro_batch_size=mbs,

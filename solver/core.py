@@ -24,13 +24,14 @@ import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.cluster import parse_device
-from costmodel.estimate import CostModel, StageCost, steady_period_s
+from costmodel.estimate import CostModel, SyncCost, steady_period_s
+from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.placement import place
 from solver.skeletons import block_uniform, generate_skeletal, most_runs
-from solver.stages import StageTable, exchanges_s, stage_table
+from solver.stages import StageTable, exchanges_s, stage_table, sync_terms
 from solver.templates import Template, fewest_gpus, generate, prune
 
 # The exact, complete template program runs when the instance is this small (tests/test_solver_*.py);
@@ -90,37 +91,36 @@ def usable_micro_batch_sizes(
     return [b for b in sizes if global_batch_size % b == 0 and b in profile.micro_batch_sizes()]
 
 
-def sync(cm: CostModel, inter_node: bool) -> Callable[[int, int], float]:
-    """Seconds to all-reduce the gradients of a stage holding `params` parameters across P pipelines:
-    the cost model's gradient sync, which the slowest such stage sets (costmodel.estimate).
-    `.many(P, params)` prices an array of parameter counts at once."""
-
-    def widest(params) -> StageCost:
-        return StageCost(
-            start=0,
-            end=0,
-            tp=1,
-            compute_fwd_s=0.0,
-            compute_bwd_s=0.0,
-            tp_comm_fwd_s=0.0,
-            tp_comm_bwd_s=0.0,
-            param_count=params,
-            activation_bytes=0,
-            transient_bytes=0,
-            boundary_bytes=0,
-            optimizer_s=0.0,
-        )
+def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]:
+    """The gradient sync of a pipeline of template t in a plan of P pipelines (`CostModel.sync` of
+    its widest stage W and first layer L, in the planned optimizer layout); with the template's
+    window H, `costmodel.estimate.plan_sync_s` prices a plan. `.many(P, templates)` gives, per
+    template, what it leaves exposed behind its own window (a lower bound in any plan)."""
 
     @functools.cache
-    def cost(num_pipelines: int, params: int) -> float:
-        return cm.sync_s(widest(params), num_pipelines, inter_node)
+    def cost(num_pipelines: int, template: Template) -> SyncCost:
+        return pipeline_sync(cm, inter_node, num_pipelines, template.max_params, template.last_params)
 
-    def many(num_pipelines: int, params: np.ndarray) -> np.ndarray:
-        times = cm.sync_s(widest(np.asarray(params, dtype=float)), num_pipelines, inter_node)
-        return np.broadcast_to(np.asarray(times, dtype=float), np.shape(params))
+    def many(num_pipelines: int, templates: Sequence[Template]) -> np.ndarray:
+        return np.array([cost(num_pipelines, t).exposed_s(t.hide_s) for t in templates], dtype=float)
 
     cost.many = many
     return cost
+
+
+def pipeline_sync(
+    cm: CostModel, inter_node: bool, num_pipelines: int, params: int, last_params: int
+) -> SyncCost:
+    """`CostModel.sync` in the planned optimizer layout."""
+    layout = cm.optimizer
+    return cm.sync(
+        params,
+        num_pipelines,
+        inter_node,
+        last_params=last_params,
+        sharding=layout.sharding,
+        bucket_bytes=layout.bucket_bytes,
+    )
 
 
 def plan_limits(profile: ModelProfile, capacities: Sequence[int]) -> Limits:
@@ -220,7 +220,28 @@ def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
         steady_period_s(time, p2p),
         max(tables[tp].params[s][e] for s, e, tp in stages),
         max(tables[tp].optimizer_s[s][e] for s, e, tp in stages),
+        *sync_terms(tables, stages, runs),
     )
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One search of the solver: every planned stage in `recompute`, the optimizer layout `sharding`,
+    and under ZeRO-1 plans of at least `replicas` pipelines (each stage's state sharded that far)."""
+
+    recompute: str = "none"
+    sharding: str = "none"
+    replicas: int = 1
+
+    def cost_model(self, profile: ModelProfile, cluster: ClusterSpec) -> CostModel:
+        layout = OptimizerLayout(sharding=self.sharding)
+        return CostModel(profile, cluster, recompute=self.recompute, optimizer=layout, replicas=self.replicas)
+
+    @property
+    def name(self) -> str:
+        return (
+            self.recompute if self.sharding == "none" else f"{self.recompute}+{self.sharding}x{self.replicas}"
+        )
 
 
 def search(
@@ -233,7 +254,7 @@ def search(
     limits: Limits | None = None,
     upper_bound_s: float = math.inf,
     seeds: Sequence[Plan] = (),
-    recompute: str = "none",
+    mode: Pass | None = None,
 ) -> Outcome:
     """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan.
 
@@ -241,7 +262,8 @@ def search(
     so a bounded search never returns a plan slower than any of them.
     """
     started = time.perf_counter()
-    cm = CostModel(profile, cluster, recompute=recompute)
+    mode = mode or Pass()
+    cm = mode.cost_model(profile, cluster)
     tps = tp_degrees(profile, cluster)
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     limits = limits or plan_limits(profile, capacities)
@@ -284,6 +306,7 @@ def search(
             single_node=not inter,
             time_limit_s=left,
             upper_bound_s=incumbent,
+            min_pipelines=cm.replicas,
         )
         bounds.append(bound)
         proven = proven and closed

@@ -1,9 +1,10 @@
 """The master problem: how many pipelines of each template, how many micro-batches each, on which nodes.
 
-For one micro-batch size and one link scope. Data: templates t (A_t, M_t, p_t stages, W_t and O_t,
-run sizes), N micro-batches, node classes c (capacity cap_c, count n_c), and sync(P, W), the time to
-all-reduce the gradients of a W-parameter stage across P pipelines. A plan's step time is its slowest
-pipeline + sync(P, max W) + max O (costmodel.estimate); the last two are its "overhead".
+For one micro-batch size and one link scope. Data: templates t (A_t, M_t, p_t stages, W_t, H_t and
+O_t, run sizes), N micro-batches, node classes c (capacity cap_c, count n_c), and sync(P, t), the
+gradient sync a pipeline of template t leaves exposed among P pipelines (its widest stage's reduction
+less what its backward hides, H_t, plus a ZeRO-1 gather). A plan's step time is its slowest pipeline
++ max_t sync(P, t) + max O (costmodel.estimate); the last two are its "overhead".
 
 A bound tau on every pipeline's time makes the problem linear: template t can then take at most
 k_t(tau) = max{m <= N : A_t + (m - 1) M_t <= tau} micro-batches per pipeline (it needs p_t). CP-SAT
@@ -16,7 +17,7 @@ model at fixed tau:
     constraints sum_t p_t n_t <= N <= sum_t k_t(tau) n_t       (a split exists: pipelines of t take
                                                                 any number from p_t to k_t(tau))
                 sum_t n_t = sum_P P b_P
-                x >= sum_P sync(P, W_t) b_P and o >= O_t  if n_t >= 1
+                x >= sum_P sync(P, t) b_P and o >= O_t  if n_t >= 1
                 sum_q y_cq <= n_c;  sum_cq mult_q(d) y_cq >= sum_t mult_t(d) n_t for every run size d
                 (every run gets a slot of its size on some node: bin packing by patterns, exact because
                 runs of one size are interchangeable, and so are nodes of one class)
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from costmodel.estimate import SyncCost, plan_sync_s
 from solver.templates import Template, packing_matrix
 
 UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
@@ -85,14 +87,18 @@ def balance(pipes: Sequence[Template], num_microbatches: int) -> list[int] | Non
     return counts
 
 
-def plan_cost_s(pipes: Sequence[Template], counts: Sequence[int], sync: Callable[[int, int], float]) -> float:
-    """Step time: slowest pipeline + gradient sync of the largest stage + slowest optimizer step."""
+Sync = Callable[[int, Template], SyncCost]  # (pipelines, template) -> its gradient sync (solver.core)
+
+
+def plan_cost_s(pipes: Sequence[Template], counts: Sequence[int], sync: Sync) -> float:
+    """Step time: slowest pipeline + the slowest pipeline's exposed gradient sync + slowest optimizer step."""
     slowest = max(t.time_s(m) for t, m in zip(pipes, counts, strict=True))
     return slowest + overhead_s(pipes, sync)
 
 
-def overhead_s(pipes: Sequence[Template], sync: Callable[[int, int], float]) -> float:
-    return sync(len(pipes), max(t.max_params for t in pipes)) + max(t.optimizer_s for t in pipes)
+def overhead_s(pipes: Sequence[Template], sync: Sync) -> float:
+    priced = [(sync(len(pipes), t), t.hide_s) for t in set(pipes)]
+    return plan_sync_s(priced) + max(t.optimizer_s for t in pipes)
 
 
 class Packing:
@@ -190,11 +196,13 @@ class Master:
         templates: Sequence[Template],
         capacities: Sequence[int],
         num_microbatches: int,
-        sync: Callable[[int, int], float],
+        sync: Sync,
         *,
         single_node: bool,
+        min_pipelines: int = 1,
     ):
         self.N = num_microbatches
+        self.p_min = max(1, min_pipelines)  # ZeRO-1 passes: plans of at least this many pipelines
         self.capacities = list(capacities)
         self.single_node = single_node
         self.sync = sync
@@ -213,6 +221,7 @@ class Master:
         self.footprint = np.array([prints.index(t.footprint) for t in ts], dtype=np.int64)
         self.packs_into = packing_matrix(prints)
         self.W = np.array([t.max_params for t in ts], dtype=np.int64)
+        self.L = np.array([t.last_params for t in ts], dtype=np.int64)
         self.O = np.array([t.optimizer_s for t in ts])
         self.sizes = sorted({d for c in self.runs for d in c})
         self.scale: _Scale | None = None  # set_scale: solve_master sets it from the incumbent
@@ -259,14 +268,14 @@ class Master:
     def least_overhead(self, taus: np.ndarray) -> np.ndarray:
         """Per bound tau, a lower bound on the overhead of any plan within it.
 
-        If the plan's largest stage has w parameters, it uses only templates with W_t <= w, whose
-        pipelines hold at most K_w(tau) = max k_t(tau) micro-batches each, so it has at least
-        ceil(N / K_w(tau)) pipelines; sync grows with pipelines, and the optimizer step is at least the
-        least of all. The bound is the least over w.
+        If the plan's largest stage is in template j (W_j parameters), it uses only templates with
+        W_t <= W_j, whose pipelines hold at most K_j(tau) = max k_t(tau) micro-batches each, so it has
+        at least ceil(N / K_j(tau)) pipelines; its sync is at least template j's, which grows with
+        pipelines, and the optimizer step is at least the least of all. The bound is the least over j.
         """
         order = np.argsort([t.max_params for t in self.templates], kind="stable")
-        widths = np.array([self.templates[i].max_params for i in order])
-        sync = np.array([self.sync.many(P, widths) for P in range(1, self.p_max + 1)])  # [P - 1, width]
+        ordered = [self.templates[i] for i in order]
+        sync = np.array([self.sync.many(P, ordered) for P in range(1, self.p_max + 1)])  # [P - 1, template]
         least = np.full(len(taus), np.inf)
         for lo in range(0, len(taus), 2048):  # chunks keep the [taus x templates] block small
             tau = taus[lo : lo + 2048, None]
@@ -277,6 +286,7 @@ class Master:
             k = np.where(k >= p, k, 0)
             most = np.maximum.accumulate(k, axis=1)  # K_w for w = each template's width, in order
             pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), self.p_max + 1).astype(np.int64)
+            pipelines = np.maximum(pipelines, self.p_min)
             over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))]
             over = np.where(pipelines <= self.p_max, over, np.inf)
             least[lo : lo + 2048] = over.min(axis=1)
@@ -289,7 +299,7 @@ class Master:
         counts = range(1, self.p_max + 1)
         self.units = np.array(
             [
-                [scale(self.sync(P, t.max_params)) + scale(t.optimizer_s) for P in counts]
+                [scale(self.sync(P, t).exposed_s(t.hide_s)) + scale(t.optimizer_s) for P in counts]
                 for t in self.templates
             ],
             dtype=np.int64,
@@ -305,7 +315,7 @@ class Master:
         best = None
         for i in np.flatnonzero(k):
             t = self.templates[i]
-            n = -(-self.N // int(k[i]))  # fewest copies that cover N: the least overhead
+            n = max(-(-self.N // int(k[i])), self.p_min)  # fewest copies that cover N: the least overhead
             if n * t.num_stages > self.N or n > self.copies[i]:
                 continue
             s = int(self.units[i, n - 1])
@@ -346,15 +356,14 @@ class Master:
                 else:
                     break
             pipes = [self.templates[i] for i in chosen]
-            if covered >= self.N and self._overhead_units(pipes) <= cap:
+            if covered >= self.N and len(pipes) >= self.p_min and self._overhead_units(pipes) <= cap:
                 return pipes
         return None
 
     def _overhead_units(self, pipes: Sequence[Template]) -> int:
         scale = self.scale
-        return scale(self.sync(len(pipes), max(t.max_params for t in pipes))) + scale(
-            max(t.optimizer_s for t in pipes)
-        )
+        priced = [(self.sync(len(pipes), t), t.hide_s) for t in set(pipes)]
+        return scale(plan_sync_s(priced)) + scale(max(t.optimizer_s for t in pipes))
 
     def _packs(self, pipes: Sequence[Template]) -> bool:
         runs = tuple(sorted((r for t in pipes for r in t.run_sizes), reverse=True))
@@ -374,7 +383,7 @@ class Master:
         per_gpu = kk / np.array([self.templates[i].num_gpus for i in live])
         copies = np.minimum(np.array(self.copies)[live], most)
         best = 0.0
-        for P in range(1, int(most.max(initial=0)) + 1):
+        for P in range(self.p_min, int(most.max(initial=0)) + 1):
             ok = most >= P
             bound = min(P * kk[ok].max(), gpus * per_gpu[ok].max(), float(copies[ok] @ kk[ok]))
             best = max(best, bound)
@@ -385,10 +394,13 @@ class Master:
         another is no worse in all of them (more k, fewer p, ...) and packs wherever it does."""
         idx = np.array(live)
         kk, p, w, o, f = k[idx], self.p[idx], self.W[idx], self.O[idx], self.footprint[idx]
+        last = self.L[idx]
         keep = []
         for a, i in enumerate(idx):
-            better = (kk >= kk[a]) & (p[a] >= p) & (w[a] >= w) & (o[a] >= o) & self.packs_into[f, f[a]]
+            better = (kk >= kk[a]) & (p[a] >= p) & (w[a] >= w) & (o[a] >= o)
+            better &= self.packs_into[f, f[a]] & (last[a] >= last)
             same = (kk == kk[a]) & (p[a] == p) & (w[a] == w) & (o[a] == o) & (f[a] == f)
+            same &= last[a] == last
             better[a:] &= ~same[a:]  # of equal ones keep the first
             if not better.any():
                 keep.append(int(i))
@@ -413,15 +425,17 @@ class Master:
         n = {i: model.NewIntVar(0, self.copies[i], f"n{i}") for i in live}
         model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)
         model.Add(sum(int(k[i]) * n[i] for i in live) >= self.N)
-        # P as one-hot b[P]; sync grows with P and W, so the largest stage in use sets it.
-        counts = range(1, self.p_max + 1)
+        # P as one-hot b[P]; sync grows with P, and the pipeline that hides least of it sets it.
+        counts = range(self.p_min, self.p_max + 1)
         b = {P: model.NewBoolVar(f"P{P}") for P in counts}
         model.AddExactlyOne(b.values())
         model.Add(sum(n.values()) == sum(P * b[P] for P in counts))
-        top = max(self.templates[i].max_params for i in live)
         scale = self.scale
         allowed = self.most_pipelines(cap)
-        x = model.NewIntVar(0, scale(self.sync(self.p_max, top)), "sync")
+        top = [self.sync(self.p_max, self.templates[i]) for i in live]
+        x = model.NewIntVar(0, max(scale(s.reduce_s + s.floor_s + s.gather_s) for s in top), "sync")
+        # the plan's hide window: the least of its pipelines' (costmodel.estimate.plan_sync_s)
+        h = model.NewIntVar(0, max(scale(self.templates[i].hide_s) for i in live), "hide")
         o = model.NewIntVar(0, scale(max(self.templates[i].optimizer_s for i in live)), "optimizer")
         for i in live:
             t = self.templates[i]
@@ -431,9 +445,15 @@ class Master:
             if math.isfinite(cap):  # sync grows with P: the cap bounds the pipelines this template allows
                 most = int(allowed[i])
                 model.Add(n[i] <= most)
-                for P in range(most + 1, self.p_max + 1):
+                for P in range(max(most + 1, self.p_min), self.p_max + 1):
                     model.AddImplication(used, b[P].Not())
-            model.Add(x >= sum(scale(self.sync(P, t.max_params)) * b[P] for P in counts)).OnlyEnforceIf(used)
+            syncs = {P: self.sync(P, t) for P in counts}
+            model.Add(h <= scale(t.hide_s)).OnlyEnforceIf(used)
+            floor = sum(scale(s.floor_s + s.gather_s) * b[P] for P, s in syncs.items())
+            model.Add(x >= floor).OnlyEnforceIf(used)
+            model.Add(
+                x >= sum(scale(s.reduce_s + s.gather_s) * b[P] for P, s in syncs.items()) - h
+            ).OnlyEnforceIf(used)
             model.Add(o >= scale(t.optimizer_s)).OnlyEnforceIf(used)
         extra = x + o
         if math.isfinite(cap):
@@ -474,11 +494,12 @@ def solve_master(
     templates: Sequence[Template],
     capacities: Sequence[int],
     num_microbatches: int,
-    sync: Callable[[int, int], float],
+    sync: Sync,
     *,
     single_node: bool,
     time_limit_s: float,
     upper_bound_s: float = math.inf,
+    min_pipelines: int = 1,
 ) -> tuple[MasterResult | None, float, bool]:
     """The cheapest plan from `templates` on nodes of `capacities` (module docstring).
 
@@ -486,8 +507,10 @@ def solve_master(
     beats `upper_bound_s`.
     """
     started = time.perf_counter()
-    master = Master(templates, capacities, num_microbatches, sync, single_node=single_node)
-    if not master.templates:  # no template has as few stages as there are micro-batches
+    master = Master(
+        templates, capacities, num_microbatches, sync, single_node=single_node, min_pipelines=min_pipelines
+    )
+    if not master.templates or master.p_min > master.p_max:  # too few micro-batches or GPUs
         return None, math.inf, True
     N = master.N
 
@@ -502,7 +525,7 @@ def solve_master(
     upper = min(upper_bound_s, best[0] if best else math.inf)
     if not math.isfinite(upper):
         upper = max(t.time_s(N) for t in master.templates) + overhead_s(
-            master.templates, lambda _, w: sync(master.p_max, w)
+            master.templates, lambda _, t: sync(master.p_max, t)
         )
     master.set_scale(_Scale(upper / UNITS_PER_BOUND))
     taus = master.candidates(upper - master.min_overhead)
@@ -582,8 +605,8 @@ def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | No
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if master._packs([t] * mid) else (lo, mid - 1)
-        for n in range(1, lo + 1):
-            cost = t.time_s(-(-master.N // n)) + master.sync(n, t.max_params) + t.optimizer_s
+        for n in range(master.p_min, lo + 1):
+            cost = t.time_s(-(-master.N // n)) + master.sync(n, t).exposed_s(t.hide_s) + t.optimizer_s
             if best is None or cost < best[0]:
                 best = (cost, [t] * n, None)
     return best

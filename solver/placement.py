@@ -56,6 +56,7 @@ def place(
         micro_batch_size=micro_batch_size,
         seq_len=cm.profile.seq_len,
         dtype=cm.profile.dtype,
+        optimizer=cm.optimizer,
         pipelines=tuple(built),
     )
     return plan.validate(cluster)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from costmodel.estimate import steady_period_s
 from costmodel.profile import ModelProfile
-from solver.stages import StageTable, exchanges_s
+from solver.stages import StageTable, exchanges_s, sync_terms
 from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
@@ -102,11 +102,9 @@ class Splitter:
             if tab.max_in_flight[0][self.L] < 1:
                 return []
             t = tab.time_s[0][self.L]
-            return [
-                Template(
-                    ((0, self.L, tps[0]),), (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L]
-                )
-            ]
+            stages = ((0, self.L, tps[0]),)
+            terms = sync_terms(self.tables, stages, (0,))
+            return [Template(stages, (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L], *terms)]
         if p > self.n + 2:
             return []
         kinds = [
@@ -182,6 +180,7 @@ class Splitter:
             steady_period_s(time, p2p),
             max(k.params[b] for k, b in zip(kinds, blocks, strict=True)),
             max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
+            *sync_terms(self.tables, stages, runs),
         )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.estimate import CostModel, StageCost
+from costmodel.estimate import CostModel, StageCost, buckets_of, hide_window_s
 from solver.memo import IdentityMemo
 
 # Tables already built, for the searches of one solve (the main one, the node-drop seed, the
@@ -41,6 +41,7 @@ class StageTable:
     max_in_flight[s][e]: the most micro-batches whose activations fit next to everything else the
         stage keeps (NO_FIT if none); 1F1B makes stage s of p hold p - s of them.
     p2p_intra_s[e], p2p_inter_s[e]: sending one micro-batch's boundary from a stage ending at e.
+    bwd_s[s][e]: backward per micro-batch (the window its gradient reduction overlaps).
     """
 
     tp: int
@@ -51,6 +52,20 @@ class StageTable:
     p2p_intra_s: list[float]
     p2p_inter_s: list[float]
     optimizer_s: list[list[float]]
+    bwd_s: list[list[float]]
+    bucket_bytes: int  # of the gradient buckets (the plans' optimizer layout)
+
+
+def sync_terms(
+    tables: dict[int, StageTable], stages: Sequence[tuple[int, int, int]], runs: Sequence[int]
+) -> tuple[float, int]:
+    """What a pipeline's gradient sync depends on besides its widest stage, from its stages (start,
+    end, tp) and runs: how much of it backward hides (`costmodel.estimate.hide_window_s`), and the
+    parameters backward produces last (the first stage's first layer)."""
+    bwd = [tables[tp].bwd_s[s][e] for s, e, tp in stages]
+    buckets = [buckets_of(tables[tp].params[s][e], tables[tp].bucket_bytes) for s, e, tp in stages]
+    first = stages[0][2]
+    return hide_window_s(bwd, exchanges_s(tables, stages, runs), buckets), tables[first].params[0][1]
 
 
 def exchanges_s(
@@ -105,6 +120,9 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         dtype_bytes=whole.dtype_bytes,
         sequence_parallel=whole.sequence_parallel,
         recompute=whole.recompute,
+        row_numel=whole.row_numel,
+        sharded_over=whole.sharded_over,
+        bucket_bytes=whole.bucket_bytes,
     )
 
 
@@ -112,7 +130,14 @@ def stage_table(cm: CostModel, tp: int, mbs: int) -> StageTable:
     """The table of one TP degree and micro-batch size; it depends on the profile, the device and
     the links, not on the nodes, so clusters that differ only in their nodes share it."""
     cluster = cm.cluster.to_json()
-    key = (json.dumps([cluster["device"], cluster["links"]], sort_keys=True), tp, mbs, cm.recompute)
+    key = (
+        json.dumps([cluster["device"], cluster["links"]], sort_keys=True),
+        tp,
+        mbs,
+        cm.recompute,
+        cm.optimizer,
+        cm.replicas,
+    )
     return _BUILT.get((cm.profile,), key, lambda: _build(cm, tp, mbs))
 
 
@@ -133,4 +158,6 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         p2p_intra_s=np.asarray(cm.p2p_s(grid, inter_node=False))[0].tolist(),
         p2p_inter_s=np.asarray(cm.p2p_s(grid, inter_node=True))[0].tolist(),
         optimizer_s=np.asarray(grid.optimizer_s).tolist(),
+        bwd_s=np.asarray(grid.bwd_s).tolist(),
+        bucket_bytes=cm.optimizer.bucket_bytes,
     )

@@ -9,6 +9,9 @@ into *runs* of consecutive stages that share a node, and the four numbers the pl
                                              with each neighbour once per micro-batch)
     W  = max_s params_s                      the largest gradient to synchronise
     O  = max_s optimizer_s                   the slowest optimizer step
+    H  = min_s B_s (1 - 1/K_s) + sum_s'<s (B_s' + c_s')   how much of the gradient reduction backward
+                                             hides (K_s gradient buckets; solver.stages)
+    L  = params of the first stage's first layer  what backward produces last (never hidden)
 
 so that the pipeline takes T(m) = A + (m - 1) M for m >= p micro-batches (costmodel.estimate). Its
 footprint is the multiset of its runs' GPU counts: the master problem packs runs onto nodes.
@@ -33,9 +36,13 @@ micro-batches in flight and that count is known from the back):
 
 Every partial footprint must fit on the cluster's nodes on its own (bin packing), otherwise the state
 is dropped. A template is then kept only if, among templates of its footprint and stage count with
-W and O no larger, its line T(m) = A + (m-1) M is below every other for some m >= p (lower
+W, O and L no larger, its line T(m) = A + (m-1) M is below every other for some m >= p (lower
 envelope), and if no template with a footprint that packs wherever its own does is no worse in all
-of A, M, W, O and stage count (`prune`).
+of A, M, W, O, L and stage count (`prune`). H is priced on every template kept but compared nowhere
+(comparing it too keeps several times the templates and triples the master's time): a template
+beaten in everything else but with more backward to hide its sync behind is dropped, the one place
+the search is not exact, and only where the gradient sync outlasts backward
+(tests/test_solver_optimality.py finds the optimum on all its instances regardless).
 Options `max_gpus`, `max_runs` and `max_stages` bound the search for very large instances; left at
 None the program enumerates the whole search space and is exact (`tests/test_solver_optimality.py`).
 """
@@ -49,7 +56,7 @@ from itertools import pairwise
 import numpy as np
 
 from solver.memo import IdentityMemo
-from solver.stages import StageTable
+from solver.stages import StageTable, sync_terms
 
 _FEWEST: IdentityMemo[int] = IdentityMemo(limit=256)  # fewest_gpus, by stage tables (solver.memo)
 
@@ -64,6 +71,8 @@ class Template:
     bottleneck_s: float  # M
     max_params: int  # W
     optimizer_s: float  # O
+    hide_s: float = 0.0  # H: how much of its gradient reduction backward hides (solver.stages)
+    last_params: int = 0  # the parameters backward produces last (the first layer's)
 
     @property
     def num_stages(self) -> int:
@@ -218,7 +227,7 @@ def generate(
     for (k, runs, u), labels in states[0].items():
         footprint = tuple(sorted((*runs, u), reverse=True))
         for a, m, w, o, e, chain in labels:
-            found.setdefault((footprint, k), []).append(_template(chain, a, max(m, e), w, o))
+            found.setdefault((footprint, k), []).append(_template(tables, chain, a, max(m, e), w, o))
     return prune([t for group in found.values() for t in lower_envelope(group)])
 
 
@@ -244,12 +253,15 @@ def prune(templates: list[Template]) -> list[Template]:
     M = np.array([t.bottleneck_s for t in templates])
     W = np.array([t.max_params for t in templates])
     opt = np.array([t.optimizer_s for t in templates])
+    last = np.array([t.last_params for t in templates])
     P = np.array([t.num_stages for t in templates])
     F = np.array([index[t.footprint] for t in templates])
     keep = []
     for i, t in enumerate(templates):
-        no_worse = (A[i] >= A) & (M[i] >= M) & (W[i] >= W) & (opt[i] >= opt) & (P[i] >= P) & packs[F, F[i]]
-        same = (A[i] == A) & (M[i] == M) & (W[i] == W) & (opt[i] == opt) & (P[i] == P) & (F[i] == F)
+        no_worse = (A[i] >= A) & (M[i] >= M) & (W[i] >= W) & (opt[i] >= opt) & (P[i] >= P)
+        no_worse &= packs[F, F[i]] & (last[i] >= last)
+        same = (A[i] == A) & (M[i] == M) & (W[i] == W) & (opt[i] == opt) & (P[i] == P)
+        same &= (F[i] == F) & (last[i] == last)
         no_worse[i:] &= ~same[i:]  # of identical templates keep the first
         if not no_worse.any():
             keep.append(t)
@@ -280,7 +292,7 @@ def _fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> 
     return best
 
 
-def _template(chain, a: float, m: float, w: int, o: float) -> Template:
+def _template(tables: dict[int, StageTable], chain, a: float, m: float, w: int, o: float) -> Template:
     """Unwind a label's chain (front-most stage first) into a Template."""
     stages, runs, run = [], [], 0
     while chain is not None:
@@ -289,7 +301,7 @@ def _template(chain, a: float, m: float, w: int, o: float) -> Template:
         runs.append(run)
         if not same_as_next:
             run += 1
-    return Template(tuple(stages), tuple(runs), a, m, w, o)
+    return Template(tuple(stages), tuple(runs), a, m, w, o, *sync_terms(tables, stages, runs))
 
 
 def lower_envelope(group: list[Template]) -> list[Template]:
@@ -301,7 +313,10 @@ def lower_envelope(group: list[Template]) -> list[Template]:
     at lam = p - 1, at the envelope's breakpoints beyond it, and at infinity.
     """
     unique = list(
-        {(t.pipeline_s, t.bottleneck_s, t.max_params, t.optimizer_s): t for t in reversed(group)}.values()
+        {
+            (t.pipeline_s, t.bottleneck_s, t.max_params, t.optimizer_s, t.hide_s, t.last_params): t
+            for t in reversed(group)
+        }.values()
     )
     lam0 = unique[0].num_stages - 1
     keep = []
@@ -309,7 +324,10 @@ def lower_envelope(group: list[Template]) -> list[Template]:
         rivals = [
             (o.pipeline_s, o.bottleneck_s)
             for o in unique
-            if o is not cand and o.max_params <= cand.max_params and o.optimizer_s <= cand.optimizer_s
+            if o is not cand
+            and o.max_params <= cand.max_params
+            and o.optimizer_s <= cand.optimizer_s
+            and o.last_params <= cand.last_params
         ]
         if _below_somewhere(cand.pipeline_s, cand.bottleneck_s, rivals, lam0):
             keep.append(cand)

@@ -8,24 +8,28 @@ may stay idle. Nothing is pruned: every pipeline is listed, every multiset of pi
 nodes, every split of the micro-batches.
 
 Scoring uses the cost model's own pieces exactly as `CostModel.estimate` combines them (slowest
-pipeline + slowest gradient sync + slowest optimizer step, every stage's memory within the usable
-memory); the best plan is then built and `CostModel.estimate` must agree with its score.
+pipeline + the plan's exposed gradient sync + slowest optimizer step, every stage's
+memory within the usable memory); the best plan is then built and `CostModel.estimate` must agree
+with its score.
 
 Which GPUs of a node a stage gets does not matter to the cost model (it compares node names only), so
 a stage is listed by its node and the plan takes the node's GPUs in order.
 
-Stages are sequence parallel wherever they can be, as the solver builds them; recomputation is
-enumerated as the solver defines its space: once per mode with every stage in it, each best plan
-relaxed stage by stage (`solver.relax_recompute`), the fastest relaxed plan kept.
+Stages are sequence parallel wherever they can be, as the solver builds them; recomputation and the
+optimizer layout are enumerated as the solver defines its space: once per recompute mode with every
+stage in it and once per pass of `solver.sharding_passes` (ZeRO-1 plans of at least 2, 4, ...
+pipelines, each stage's memory with its state sharded that far), each best plan relaxed stage by
+stage (`solver.relax_recompute`), the fastest relaxed plan kept.
 """
 
 import math
 from dataclasses import dataclass
 
 from costmodel import ClusterSpec, Pipeline, Plan
-from costmodel.estimate import CostModel, in_flight, pipeline_time_s
+from costmodel.estimate import CostModel, buckets_of, hide_window_s, in_flight, pipeline_time_s, plan_sync_s
+from costmodel.plan import SHARDING
 from costmodel.profile import ModelProfile
-from solver import RECOMPUTE_PASSES, relax_recompute
+from solver import RECOMPUTE_PASSES, relax_recompute, sharding_passes
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class Candidate:
     usage: tuple[int, ...]  # GPUs per node
     times: dict  # m -> pipeline time
     costs: tuple  # StageCost per stage
+    hide_s: float  # how much of its gradient reduction its backward hides
+    last_params: int  # what its backward produces last: the first stage's first layer
 
 
 def pipelines(cm: CostModel, capacities: list[int], tps: list[int], mbs: int, max_m: int) -> list[Candidate]:
@@ -68,7 +74,10 @@ def _score(cm: CostModel, stages, usage, mbs: int, max_m: int) -> Candidate | No
         m: pipeline_time_s([c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, m)
         for m in range(p, max_m + 1)
     }
-    return Candidate(stages, usage, times, costs)
+    buckets = [buckets_of(c.param_count, cm.optimizer.bucket_bytes) for c in costs]
+    hide = hide_window_s([c.bwd_s for c in costs], p2p, buckets)
+    first = cm.planned(0, 1, stages[0][2], mbs).param_count
+    return Candidate(stages, usage, times, costs, hide, first)
 
 
 def best_plan(
@@ -76,9 +85,17 @@ def best_plan(
 ) -> tuple[float, Plan | None]:
     """The fastest plan of the whole search space, by enumeration: (step time, plan)."""
     best: tuple[float, Plan | None] = (math.inf, None)
-    for recompute in RECOMPUTE_PASSES:
+    sizes = [b for b in micro_batch_sizes if global_batch_size % b == 0]
+    modes = [
+        mode
+        for recompute in RECOMPUTE_PASSES
+        for mode in sharding_passes(
+            profile, cluster, global_batch_size, sizes, recompute, "elastor", SHARDING
+        )
+    ]
+    for mode in modes:
         score, plan = _best_plan_in(
-            CostModel(profile, cluster, recompute=recompute), cluster, global_batch_size, micro_batch_sizes
+            mode.cost_model(profile, cluster), cluster, global_batch_size, micro_batch_sizes
         )
         if plan is not None:
             plan = relax_recompute(CostModel(profile, cluster), plan)
@@ -115,7 +132,7 @@ def _best_multiset(cm: CostModel, cands: list[Candidate], capacities: list[int],
 
     def choose(first: int, chosen: list[Candidate], usage: list[int]) -> None:
         nonlocal best
-        if chosen:
+        if len(chosen) >= cm.replicas:  # a ZeRO-1 pass's memory holds with that many pipelines
             score, counts = _best_split(cm, chosen, N)
             if score < best[0]:
                 best = (score, chosen, counts)
@@ -133,7 +150,22 @@ def _best_split(cm: CostModel, chosen: list[Candidate], N: int) -> tuple[float, 
     P = len(chosen)
     nodes = {node for c in chosen for *_, node in c.stages}
     multi_node = len(nodes) > 1
-    sync = max(cm.sync_s(cost, P, multi_node) for c in chosen for cost in c.costs)
+    layout = cm.optimizer
+    priced = [
+        (
+            cm.sync(
+                max(cost.param_count for cost in c.costs),
+                P,
+                multi_node,
+                last_params=c.last_params,
+                sharding=layout.sharding,
+                bucket_bytes=layout.bucket_bytes,
+            ),
+            c.hide_s,
+        )
+        for c in chosen
+    ]
+    sync = plan_sync_s(priced)
     optimizer = max(cost.optimizer_s for c in chosen for cost in c.costs)
     best: tuple[float, list[int] | None] = (math.inf, None)
 
@@ -169,5 +201,6 @@ def _plan(cm: CostModel, cluster, global_batch_size, mbs, chosen: list[Candidate
         micro_batch_size=mbs,
         seq_len=cm.profile.seq_len,
         dtype=cm.profile.dtype,
+        optimizer=cm.optimizer,
         pipelines=tuple(pipes),
     )

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from costmodel import PRESETS, ModelConfig, Pipeline, Plan, Stage
-from costmodel.layout import Box, device_pieces
+from costmodel.layout import Box
+from costmodel.plan import BUCKET_BYTES, SHARDING, OptimizerLayout
+from costmodel.sharding import state_boxes
 from runtime.checkpoint import Piece, Wanted
 from runtime.checkpoint.format import OPTIMIZER_PREFIXES
 
@@ -50,7 +52,10 @@ def random_plan(rng: random.Random, config: ModelConfig = TINY, world_size: int 
             pipelines.append(Pipeline(num_microbatches=rng.randint(1, 3), stages=tuple(built)))
         else:
             batch = sum(p.num_microbatches for p in pipelines)
+            # Optimizer state on every holder or sharded (ZeRO-1), in buckets of various sizes.
+            optimizer = OptimizerLayout(rng.choice(SHARDING), rng.choice([BUCKET_BYTES, 4096, 1000]))
             plan = Plan(
+                optimizer=optimizer,
                 model=config,
                 global_batch_size=batch,
                 micro_batch_size=1,
@@ -86,7 +91,8 @@ def _slices(box: Box) -> tuple[slice, ...]:
 
 
 def rank_pieces(plan: Plan, rank: int, salt: int = 0, optimizer: bool = True) -> list[Piece]:
-    """Rank `rank`'s training state: its boxes of every full tensor, parameters and AdamW moments."""
+    """Rank `rank`'s training state: the boxes it keeps (`costmodel.sharding.state_boxes`: under
+    ZeRO-1 only its slices) of every full tensor, parameters and AdamW moments."""
     kinds = KINDS if optimizer else ("",)
     return [
         Piece(
@@ -95,7 +101,7 @@ def rank_pieces(plan: Plan, rank: int, salt: int = 0, optimizer: bool = True) ->
             box.offsets,
             full_tensor(kind + spec.name, spec.shape, salt)[_slices(box)].clone(),
         )
-        for spec, box in device_pieces(plan, plan.devices[rank])
+        for spec, box in state_boxes(plan)[plan.devices[rank]]
         for kind in kinds
     ]
 

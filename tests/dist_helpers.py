@@ -142,7 +142,7 @@ def assemble(out: Path) -> dict[str, Any]:
     full: dict[str, torch.Tensor] = {}
     seen: dict[str, torch.Tensor] = {}
     for path in sorted(out.glob("rank*.pt")):
-        for name, (shape, offsets, tensor) in torch.load(path).items():
+        for name, shape, offsets, tensor in torch.load(path):
             if name not in full:
                 full[name] = torch.zeros(shape)
                 seen[name] = torch.zeros(shape, dtype=torch.bool)
@@ -197,7 +197,7 @@ def _worker(argv: list[str]) -> int:
         local = {}
         for piece in state_pieces(trainer):
             where = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape, strict=True))
-            local[piece.name] = full[piece.name][where]
+            local[piece.name, piece.offsets] = full[piece.name][where]
         restore_training_state(trainer, local, json.loads((resume / "meta.json").read_text()))
 
     def after_step(t, result) -> float:
@@ -263,9 +263,9 @@ def _save(trainer, where: Path, rank: int, *, with_optim: bool) -> None:
 
     pieces, meta = training_state(trainer)
     where.mkdir(parents=True, exist_ok=True)
-    keep = {p.name: (p.global_shape, p.offsets, p.tensor.cpu().clone()) for p in pieces}
+    keep = [(p.name, p.global_shape, p.offsets, p.tensor.cpu().clone()) for p in pieces]
     if not with_optim:
-        keep = {name: v for name, v in keep.items() if not name.startswith("optim.")}
+        keep = [piece for piece in keep if not piece[0].startswith("optim.")]
     torch.save(keep, where / f"rank{rank}.pt")
     if rank == 0:
         (where / "meta.json").write_text(json.dumps(meta))

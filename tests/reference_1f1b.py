@@ -41,9 +41,19 @@ def stage_program(stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
 
 def simulate_1f1b(fwd: list[float], bwd: list[float], p2p: list[float], m: int) -> float:
     """Finish time of the last operation of one training step's pipeline phase."""
+    return max(_run(fwd, bwd, p2p, m)[0])
+
+
+def simulate_1f1b_backward_ends(fwd: list[float], bwd: list[float], p2p: list[float], m: int) -> list[float]:
+    """When each stage finishes its last backward (its gradients are complete from then on)."""
+    return _run(fwd, bwd, p2p, m)[1]
+
+
+def _run(fwd: list[float], bwd: list[float], p2p: list[float], m: int) -> tuple[list[float], list[float]]:
+    """Each stage's finish time and the end of its last backward."""
     p = len(fwd)
     programs = [stage_program(s, p, m) for s in range(p)]
-    clock, cursor = [0.0] * p, [0] * p
+    clock, cursor, ends = [0.0] * p, [0] * p, [0.0] * p
 
     def at(s: int) -> tuple[str, int] | None:
         return programs[s][cursor[s]] if cursor[s] < len(programs[s]) else None
@@ -54,6 +64,8 @@ def simulate_1f1b(fwd: list[float], bwd: list[float], p2p: list[float], m: int) 
         for s in range(p):
             while (op := at(s)) is not None and op[0] != "X":
                 clock[s] += fwd[s] if op[0] == "F" else bwd[s]
+                if op == ("B", m - 1):
+                    ends[s] = clock[s]
                 cursor[s] += 1
                 progressed = True
         for s in range(p - 1):
@@ -63,4 +75,4 @@ def simulate_1f1b(fwd: list[float], bwd: list[float], p2p: list[float], m: int) 
                 cursor[s + 1] += 1
                 progressed = True
     assert all(c == len(prog) for c, prog in zip(cursor, programs, strict=True)), "schedule deadlocked"
-    return max(clock)
+    return clock, ends

@@ -188,7 +188,7 @@ def test_memory_by_hand_for_a_gpt_tiny_stage():
     activation = sum(profile.cost(i, 2, 2).activation_bytes for i in (0, 1))
     output = 2 * 64 * 96 * 4  # the [micro-batch, seq, hidden] fp32 output it sent, held for backward
     assert first.memory == {
-        "params": params * FP32_BYTES,
+        "params": 2 * params * FP32_BYTES,  # the fp32 module weights and their fp32 masters
         "grads": params * FP32_BYTES,
         "optimizer": 2 * params * FP32_BYTES + 10 * FP32_BYTES,  # and the step counts of its 10 tensors
         "activations": 2 * (activation + output),  # stage 0 of 2 holds 2 micro-batches

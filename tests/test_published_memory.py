@@ -86,7 +86,7 @@ def test_published_grid_fits(billions, heads, hidden, layers, tp, pp, gpus, batc
     )
     for si, stage in enumerate(plan.pipelines[0].stages):
         cost = cm.stage_of(stage, MICRO_BATCH)
-        peak = sum(cost.memory_bytes(in_flight(si, pp, m), sync_buffer_bytes=0).values())
+        peak = sum(cost.memory_bytes(in_flight(si, pp, m)).values())
         assert peak <= cm.usable_memory_bytes, f"stage {si} ({stage.recompute}): {peak / 2**30:.1f} GiB"
 
 

@@ -151,15 +151,20 @@ def test_bf16_plan_matches_single_process_bf16(name, tmp_path):
     plan = BF16_PLANS[name]
     result = run_worker(plan, tmp_path, steps=STEPS)
     assert result.returncode == 0, result.stderr[-4000:]
+    check_bf16_parity(plan, tmp_path)
+
+
+def check_bf16_parity(plan: dict, out) -> None:
+    """A bf16 run in `out` against the single-process bf16 reference, at the measured tolerance."""
     ref_losses, ref_params, loss_rtol, param_atol = bf16_reference(
         json.dumps(plan["model"]), plan["global_batch_size"], plan["seq_len"]
     )
-    assert (tmp_path / "module_dtype.txt").read_text() == "torch.bfloat16"
-    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert (out / "module_dtype.txt").read_text() == "torch.bfloat16"
+    losses = json.loads((out / "losses.json").read_text())
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= loss_rtol * want, f"step {step + 1}: {got} vs {want} (rtol {loss_rtol:.2e})"
-    params = assemble(tmp_path)
-    for name_, want in ref_params.items():
-        assert params[name_].dtype == torch.float32  # the masters, not the bf16 copies
-        torch.testing.assert_close(params[name_], want, rtol=0, atol=param_atol, msg=name_)
+    params = assemble(out)
+    for name, want in ref_params.items():
+        assert params[name].dtype == torch.float32  # the masters, not the bf16 copies
+        torch.testing.assert_close(params[name], want, rtol=0, atol=param_atol, msg=name)
     assert ref_losses[-1] < ref_losses[0]

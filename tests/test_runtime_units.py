@@ -1,6 +1,7 @@
 """Single-process tests of the runtime's parts: data stream, schedule, ownership, stage, training state."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,12 +12,13 @@ from test_runtime_parity import PLANS
 
 from costmodel import PRESETS, ElastorError, ModelConfig, Plan
 from costmodel.layout import contributes, device_pieces, sync_buckets
+from costmodel.plan import OptimizerLayout
+from costmodel.sharding import buckets
 from runtime.data import Prefetcher, SyntheticTokens, TokenFile, fetch, pipeline_samples
 from runtime.distributed import init_distributed
-from runtime.grad_sync import owned_regions
 from runtime.model import build_model
 from runtime.optim import OptimConfig
-from runtime.stage import StageModule
+from runtime.stage import StageModule, box_slices
 from runtime.state import restore_training_state, training_state
 from runtime.trainer import Trainer
 
@@ -96,21 +98,33 @@ def test_learning_rate_warms_up_then_decays_by_a_cosine():
 
 
 # ---- ownership and contributions ----------------------------------------------------------------------
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
 @pytest.mark.parametrize("name", list(PLANS))
-def test_every_gradient_element_is_owned_once_for_the_norm(name):
-    plan = Plan.from_json(PLANS[name])
-    counts: dict[str, torch.Tensor] = {}
-    for device in plan.devices:
-        boxes = {spec.name: (spec, box) for spec, box in device_pieces(plan, device)}
-        for pname, runs in owned_regions(plan, device).items():
-            spec, box = boxes[pname]
-            counts.setdefault(pname, torch.zeros(spec.shape, dtype=torch.int32))
-            region = counts[pname][
-                tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
-            ]
-            for dim, start, stop in runs:
-                (region if dim < 0 else region.narrow(dim, start, stop - start)).add_(1)
-    assert all(bool((c == 1).all()) for c in counts.values())
+def test_every_gradient_element_is_counted_once_for_the_norm_and_kept_once_sharded(name, sharding):
+    plan = replace(Plan.from_json(PLANS[name]), optimizer=OptimizerLayout(sharding, bucket_bytes=4096))
+    norm: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for bucket in buckets(plan):
+        for device in bucket.holders:
+            regions = [(norm, [bucket.region_of(device)] if bucket.counts_norm(device) else [])]
+            regions.append((kept, bucket.kept(device)))
+            for counts, indices in regions:
+                for rows in (r for i in indices for r in bucket.regions[i]):
+                    count = counts.setdefault(rows.name, torch.zeros(rows.spec.shape, dtype=torch.int32))
+                    count[box_slices(rows.box)].add_(1)
+    assert all(bool((c == 1).all()) for c in norm.values())
+    holders = {spec.name: 0 for d in plan.devices for spec, _ in device_pieces(plan, d)}
+    assert set(norm) == set(kept) == set(holders)
+    if sharding == "zero1" and len(plan.pipelines) > 1:  # every element is reduced: one keeper each
+        assert all(bool((c == 1).all()) for c in kept.values())
+    elif sharding == "none":  # every holder keeps what it holds
+        for name, count in kept.items():
+            full = torch.zeros_like(count)
+            for d in plan.devices:
+                for spec, box in device_pieces(plan, d):
+                    if spec.name == name:
+                        full[box_slices(box)] += 1
+            assert torch.equal(count, full), name
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -149,7 +163,7 @@ def test_training_state_round_trip_continues_identically(single_process):
         first.train_step()
     pieces, meta = training_state(first)
     meta = json.loads(json.dumps(meta))  # JSON-able, and what a checkpoint gives back
-    saved = {p.name: p.tensor.clone() for p in pieces}
+    saved = {(p.name, p.offsets): p.tensor.clone() for p in pieces}
     assert {p.name for p in pieces} >= {
         "embed.weight",
         "optim.exp_avg.embed.weight",
@@ -163,8 +177,8 @@ def test_training_state_round_trip_continues_identically(single_process):
     for _ in range(3):
         a, b = first.train_step(), second.train_step()
         assert a.loss == b.loss and a.lr == b.lr
-    for name, p in first.params.items():
-        assert torch.equal(p, second.params[name]), name
+    for a, b in zip(first.main.pieces, second.main.pieces, strict=True):
+        assert torch.equal(a.param, b.param), a.rows
     first.close()
     second.close()
 

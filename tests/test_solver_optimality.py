@@ -1,6 +1,6 @@
 """The solver is exact: on random small instances its plan is as fast as the best plan a brute-force
-enumeration of the whole search space finds (tests/brute_force.py), and every plan it returns is valid
-and fits in memory.
+enumeration of the whole search space finds (tests/brute_force.py), with ZeRO-1 allowed on both sides,
+and every plan it returns is valid and fits in memory.
 
 Equality is to a relative 1e-9: the master problem works in integer units of 1e-13 of the incumbent's
 step time and recomputes the chosen plan's time in floating point, the brute force sums in floating
@@ -20,6 +20,7 @@ import solver
 from costmodel import ClusterSpec, ElastorError, ModelConfig
 from costmodel.cluster import DeviceSpec, LinkSpec
 from costmodel.estimate import MEMORY_HEADROOM, CostModel
+from costmodel.plan import SHARDING
 
 NUM_INSTANCES = 200
 RELATIVE = 1e-9
@@ -71,12 +72,12 @@ def test_solver_matches_brute_force(seed):
     expected, reference = best_plan(profile, cluster, gbs, [1, 2])
     if reference is None:
         with pytest.raises(ElastorError) as e:
-            solver.solve(profile, cluster, gbs)
+            solver.solve(profile, cluster, gbs, sharding=SHARDING)
         assert len(str(e.value).splitlines()) == 1 and str(e.value).endswith(".")
         return
     cm = CostModel(profile, cluster)
     assert cm.estimate(reference).step_time_s == pytest.approx(expected, rel=1e-12)  # the reference's score
-    plan = solver.solve(profile, cluster, gbs)
+    plan = solver.solve(profile, cluster, gbs, sharding=SHARDING)
     plan.validate(cluster)
     estimate = cm.estimate(plan)
     assert estimate.fits

@@ -6,6 +6,7 @@ import solver
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
 from costmodel.estimate import CostModel
 from costmodel.jsonio import read_json, write_json
+from costmodel.plan import SHARDING
 from costmodel.table import format_table
 from elastor.commands import subcommand
 
@@ -23,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per training step")
     p.add_argument(
         "--method", choices=solver.METHODS, default="elastor", help="planner (default: %(default)s)"
+    )
+    p.add_argument(
+        "--sharding",
+        choices=("auto", *SHARDING),
+        default="none",
+        help="optimizer state: sharded over each bucket's holders (zero1), not (none; default), or "
+        "whichever is faster (auto: searches the ZeRO-1 passes too, several times the solve time)",
     )
     p.add_argument("--compare", action="store_true", help="also solve with every other method and compare")
     p.add_argument(
@@ -58,7 +66,10 @@ def micro_batch_sizes(text: str | None) -> list[int] | None:
 def run(args: argparse.Namespace) -> int:
     profile, cluster = load_inputs(args)
     sizes = micro_batch_sizes(args.micro_batch_sizes)
-    plan = solver.solve(profile, cluster, args.global_batch_size, args.method, sizes, args.time_limit)
+    sharding = SHARDING if args.sharding == "auto" else (args.sharding,)
+    plan = solver.solve(
+        profile, cluster, args.global_batch_size, args.method, sizes, args.time_limit, sharding=sharding
+    )
     write_json(args.out, plan.to_json())
     print(plan.summary())
     print(CostModel(profile, cluster).estimate(plan).explain())
@@ -68,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
     )
-    print(f"{plan.dtype}; recompute passes (predicted step s): {info['recompute_passes']}")
+    print(f"{plan.dtype}, optimizer {plan.optimizer.sharding}; passes (predicted step s): {info['passes']}")
     if args.compare:
         print(compare(profile, cluster, args.global_batch_size, plan, sizes, args.time_limit))
     return 0
@@ -80,7 +91,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
     rows = [
         (
             "method", "samples/s", "vs " + plan.solver["method"], "pipelines", "stages", "sp stages",
-            "recompute", "GPUs used", "status",
+            "recompute", "optimizer", "GPUs used", "status",
         )
     ]  # fmt: skip
     for method in solver.METHODS:
@@ -91,7 +102,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 else solver.solve(profile, cluster, gbs, method, sizes, time_limit_s)
             )
         except ElastorError as e:
-            rows.append((method, "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
+            rows.append((method, "-", "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
             continue
         rate = other.predicted["samples_per_s"]
         rows.append(
@@ -103,6 +114,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 ",".join(sorted({str(len(p.stages)) for p in other.pipelines})),
                 sum(st.sequence_parallel for p in other.pipelines for st in p.stages),
                 ",".join(sorted({st.recompute for p in other.pipelines for st in p.stages})),
+                other.optimizer.sharding,
                 other.world_size,
                 other.solver["status"],
             )

@@ -2,10 +2,11 @@
 
 A pure function of the plan (and of the state's kinds: parameters, AdamW moments, and their item
 sizes), so every rank computes the same answer without talking to the others. After the gradient
-sync all replicas of a parameter are identical, so any holder may write any part of it:
+sync all replicas of a parameter's state are identical, so any rank keeping a part may write it:
 
-1. cut each parameter at every shard boundary of its holders (`costmodel.layout.segments`, the same
-   cut the gradient sync uses); each segment is held whole by a known set of ranks;
+1. cut each parameter along its storage dimension at every boundary of the row runs whose state ranks keep
+   (`costmodel.sharding.state_boxes`: TP shards, gradient buckets, and under ZeRO-1 each holder's
+   slice); each segment is kept whole by a known set of ranks (one, for a ZeRO-1 slice);
 2. cut each segment into pieces of at most `piece_bytes` along the split dimension, for every kind
    of state (the parameter and its `optim.exp_avg.` / `optim.exp_avg_sq.` moments);
 3. assign pieces greedily, pieces with a single holder first, then the rest largest first, each to
@@ -14,9 +15,11 @@ sync all replicas of a parameter are identical, so any holder may write any part
 """
 
 from dataclasses import dataclass
+from itertools import pairwise
 
-from costmodel.layout import Box, ParamSpec, device_pieces, layer_params, segments
+from costmodel.layout import Box, ParamSpec, layer_params
 from costmodel.plan import Plan
+from costmodel.sharding import state_boxes
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,12 @@ def split_dim(spec: ParamSpec) -> int:
 
 
 def holdings(plan: Plan) -> dict[str, tuple[ParamSpec, list[tuple[int, Box]]]]:
-    """Every parameter, in layer order, with its holders: (rank, the box that rank holds)."""
+    """Every parameter, in layer order, with the ranks keeping its state: (rank, a box of rows it
+    keeps; `costmodel.sharding.state_boxes`, one entry per run of rows)."""
     held: dict[str, tuple[ParamSpec, list[tuple[int, Box]]]] = {}
+    kept = state_boxes(plan)
     for rank, device in enumerate(plan.devices):
-        for spec, box in device_pieces(plan, device):
+        for spec, box in kept[device]:
             held.setdefault(spec.name, (spec, []))[1].append((rank, box))
     order = [s.name for i in range(plan.model.num_layers) for s in layer_params(plan.model, i)]
     return {name: held[name] for name in order if name in held}
@@ -57,9 +62,11 @@ def assign_writers(plan: Plan, kinds: dict[str, int], piece_bytes: int) -> list[
     for name, (spec, holders) in holdings(plan).items():
         d = split_dim(spec)
         row_elements = spec.full_box().numel // spec.shape[d]
-        for segment in segments(spec, [box for _, box in holders]):
-            lo, hi = segment.offsets[d], segment.offsets[d] + segment.sizes[d]
-            owners = tuple(rank for rank, box in holders if box.contains(segment))
+        cuts = sorted({b.offsets[d] for _, b in holders} | {b.offsets[d] + b.sizes[d] for _, b in holders})
+        for lo, hi in pairwise(cuts):
+            owners = tuple(
+                rank for rank, b in holders if b.offsets[d] <= lo and hi <= b.offsets[d] + b.sizes[d]
+            )
             for prefix, itemsize in kinds.items():
                 row_bytes = row_elements * itemsize
                 rows = max(1, piece_bytes // row_bytes)

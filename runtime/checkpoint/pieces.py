@@ -4,8 +4,8 @@ from typing import NamedTuple
 
 import torch
 
-from costmodel.layout import device_pieces
 from costmodel.plan import Plan
+from costmodel.sharding import state_boxes
 from runtime.checkpoint.format import OPTIMIZER_PREFIXES
 
 
@@ -42,10 +42,11 @@ class Wanted(NamedTuple):
 def wanted_for(
     plan: Plan, rank: int, *, optimizer: bool = True, dtype: torch.dtype = torch.float32
 ) -> list[Wanted]:
-    """What rank `rank` holds under `plan`: its parameter boxes, and their AdamW moments if `optimizer`."""
+    """What rank `rank` keeps under `plan` (`costmodel.sharding.state_boxes`: its rows of every
+    parameter, under ZeRO-1 only its slices): the fp32 masters, and their AdamW moments if `optimizer`."""
     prefixes = ("", *OPTIMIZER_PREFIXES) if optimizer else ("",)
     return [
         Wanted(prefix + spec.name, spec.shape, box.offsets, box.sizes, dtype)
-        for spec, box in device_pieces(plan, plan.devices[rank])
+        for spec, box in state_boxes(plan)[plan.devices[rank]]
         for prefix in prefixes
     ]

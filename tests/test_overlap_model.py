@@ -1,0 +1,199 @@
+"""The cost model's exposed gradient sync against a step-by-step simulation of the runtime's overlap.
+
+Simulation (what runtime/dist_optim.py does, event by event): each pipeline runs its 1F1B schedule
+(tests/reference_1f1b.py gives when each stage finishes its last micro-batch's backward); within that
+backward a stage's layers finish from its last to its first, each layer taking a fixed cost plus a
+cost per parameter; a device's bucket (`costmodel.sharding.buckets`, the runtime's own buckets) is
+ready once the layers of all its rows are done on that device; buckets are issued in the global
+order, and a bucket's reduction starts when every holder has issued it, taking the ring time of its
+bytes among its holders, slower while other reductions share a holder's link (`shared_links`).
+Exposed = the last reduction's end after the slowest pipeline's backward, plus the ZeRO-1 gather.
+
+Model (costmodel.estimate): per pipeline, its widest stage's reduction among P pipelines less the
+window `hide_window_s` (min over stages of its last backward, less a bucket, plus the cool-down in
+front of it), at least one bucket; the plan waits for its worst pipeline.
+
+Scenarios: four layouts (pure data parallelism, pipelines of equal and of different stage cuts,
+TP3 -> TP2 beside a single device), both shardings, and links from 10x faster to 10x slower than
+backward. Stated bound, measured: the model's exposed sync never falls more than
+UNDER_BOUND of the simulated step below the simulation, and lies within TOTAL_BOUND of the simulated
+step overall (the model knows one window per pipeline and one bucket size per device; the simulation
+knows every holder).
+"""
+
+import dataclasses
+import json
+
+import pytest
+from dist_helpers import plan_json
+from reference_1f1b import simulate_1f1b, simulate_1f1b_backward_ends
+from synthetic import synthetic_profile
+from test_runtime_parity import PLANS, TINY
+
+from costmodel import ClusterSpec, Plan
+from costmodel.cluster import LinkSpec
+from costmodel.comm import DEFAULT_LATENCY_S, Link, all_gather_s, all_reduce_s, reduce_scatter_s
+from costmodel.estimate import CostModel, buckets_of, hide_window_s, plan_sync_s
+from costmodel.layout import device_pieces
+from costmodel.plan import OptimizerLayout
+from costmodel.sharding import buckets
+
+UNDER_BOUND = 0.05
+TOTAL_BOUND = 0.08
+BUCKET_BYTES = 16 << 10
+FIXED_S, PER_PARAM_S = 2e-4, 4e-9  # a layer's backward: fixed cost plus a cost per parameter
+P2P_S = 1e-4
+
+LAYOUTS = {
+    "pure-dp": PLANS["pure-dp"],
+    "equal-cuts": plan_json(
+        TINY,
+        [
+            (4, [((0, 2), ["n0:0"]), ((2, 4), ["n0:1"]), ((4, 6), ["n0:2"])]),
+            (4, [((0, 2), ["n1:0"]), ((2, 4), ["n1:1"]), ((4, 6), ["n1:2"])]),
+        ],
+    ),
+    "hetero-5-3": PLANS["hetero-5-3"],
+    "tp3-tp2-vs-dp": PLANS["tp3-tp2-vs-dp"],
+}
+
+
+def _layer_params(plan: Plan, device: str) -> dict[int, int]:
+    """Parameters of each layer on `device` (layer index from the parameter name)."""
+    counts: dict[int, int] = {}
+    for spec, box in device_pieces(plan, device):
+        counts[_layer(plan, spec.name)] = counts.get(_layer(plan, spec.name), 0) + box.numel
+    return counts
+
+
+def _layer(plan: Plan, name: str) -> int:
+    """The layer a parameter belongs to (TINY does not tie its embeddings)."""
+    if name.startswith("head"):
+        return plan.model.num_layers - 1
+    if name.startswith("embed"):
+        return 0
+    return int(name.split(".")[1]) + 1
+
+
+def _stage_times(plan: Plan, pi: int) -> tuple[list[float], list[float], list[dict[int, float]]]:
+    """Per stage of pipeline pi: forward and backward per micro-batch, and each layer's backward."""
+    fwd, bwd, per_layer = [], [], []
+    for stage in plan.pipelines[pi].stages:
+        layers = _layer_params(plan, stage.devices[0])
+        times = {layer: FIXED_S + PER_PARAM_S * n for layer, n in layers.items()}
+        per_layer.append(times)
+        bwd.append(sum(times.values()))
+        fwd.append(bwd[-1] / 2)
+    return fwd, bwd, per_layer
+
+
+def simulate(plan: Plan, link: Link) -> float:
+    """The simulated exposed sync (module docstring)."""
+    sharded = plan.optimizer.sharding == "zero1"
+    ready_at: dict[str, dict[int, float]] = {}  # device -> layer -> when its gradient is complete
+    ends = []
+    for pi, pipe in enumerate(plan.pipelines):
+        fwd, bwd, per_layer = _stage_times(plan, pi)
+        p2p = [P2P_S] * (len(pipe.stages) - 1)
+        ends.append(simulate_1f1b(fwd, bwd, p2p, pipe.num_microbatches))
+        last = simulate_1f1b_backward_ends(fwd, bwd, p2p, pipe.num_microbatches)
+        for stage, end, times in zip(pipe.stages, last, per_layer, strict=True):
+            done, clock = {}, end - sum(times.values())
+            for layer in sorted(times, reverse=True):  # backward: the stage's last layer first
+                clock += times[layer]
+                done[layer] = clock
+            for device in stage.devices:
+                ready_at[device] = done
+    backward_end = max(ends)
+    jobs = []  # (start, seconds at full speed, holders) of each reduction
+    for bucket in (b for b in buckets(plan) if b.reduced):
+        ready = max(max(ready_at[d][_layer(plan, r.name)] for r in bucket.rows) for d in bucket.holders)
+        n, nbytes = len(bucket.holders), bucket.numel * 4
+        took = reduce_scatter_s(nbytes, n, link) if sharded else all_reduce_s(nbytes, n, link)
+        jobs.append((ready, took, bucket.holders))
+    finish = max(backward_end, shared_links(jobs))
+    gather = 0.0
+    if sharded:  # after the step, each device gathers its buckets one after the other
+        per_device = dict.fromkeys(plan.devices, 0.0)
+        for bucket in (b for b in buckets(plan) if b.sharded):
+            for d in bucket.holders:
+                per_device[d] += all_gather_s(bucket.numel * 4, len(bucket.holders), link)
+        gather = max(per_device.values())
+    return finish - backward_end + gather, backward_end
+
+
+def shared_links(jobs: list[tuple[float, float, tuple[str, ...]]]) -> float:
+    """When the last of `jobs` (start, seconds alone, devices) ends, each device's link shared equally
+    by the jobs running on it (a job runs at the pace of its most loaded device): processor sharing,
+    as the runtime's collectives on different groups run concurrently (one gloo thread or NCCL
+    stream per group)."""
+    pending = sorted(jobs, key=lambda j: j[0])
+    running: list[list] = []  # [seconds left alone, devices]
+    clock, end = 0.0, 0.0
+    while pending or running:
+        if not running:
+            clock = max(clock, pending[0][0])
+        while pending and pending[0][0] <= clock:
+            _, work, devices = pending.pop(0)
+            running.append([work, devices])
+        load: dict[str, int] = {}
+        for _, devices in running:
+            for d in devices:
+                load[d] = load.get(d, 0) + 1
+        rates = [1.0 / max(load[d] for d in devices) for _, devices in running]
+        step = min(left / rate for (left, _), rate in zip(running, rates, strict=True))
+        if pending:
+            step = min(step, pending[0][0] - clock)
+        clock += step
+        for job, rate in zip(running, rates, strict=True):
+            job[0] -= step * rate
+        running = [job for job in running if job[0] > 1e-15]
+        end = clock
+    return end
+
+
+def model(plan: Plan, bandwidth_gbps: float) -> float:
+    """The cost model's exposed sync (`CostModel.sync`) for the same timings and links."""
+    cluster = dataclasses.replace(
+        ClusterSpec.from_counts([8], "cpu"),
+        links=LinkSpec(intra_node_gbps=bandwidth_gbps, inter_node_gbps=bandwidth_gbps),
+    )
+    cm = CostModel(synthetic_profile(), cluster)
+    priced = []
+    for pi, pipe in enumerate(plan.pipelines):
+        _, bwd, _ = _stage_times(plan, pi)
+        params = [sum(_layer_params(plan, st.devices[0]).values()) for st in pipe.stages]
+        buckets_per_stage = [buckets_of(w, BUCKET_BYTES) for w in params]
+        sync = cm.sync(
+            max(params),
+            len(plan.pipelines),
+            False,
+            last_params=_layer_params(plan, pipe.stages[0].devices[0])[0],
+            sharding=plan.optimizer.sharding,
+            bucket_bytes=BUCKET_BYTES,
+        )
+        priced.append((sync, hide_window_s(bwd, [P2P_S] * (len(pipe.stages) - 1), buckets_per_stage)))
+    return plan_sync_s(priced)
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exposed_sync_model_tracks_the_simulation(layout, sharding):
+    plan = Plan.from_json(json.loads(json.dumps(LAYOUTS[layout])))
+    plan = Plan.from_json({**plan.to_json(), "optimizer": OptimizerLayout(sharding, BUCKET_BYTES).to_json()})
+    rows = []
+    for bandwidth in (
+        0.05,
+        0.2,
+        0.5,
+        1.0,
+        2.0,
+        10.0,
+    ):  # GB/s: from reductions far longer than backward to far shorter
+        simulated, backward_end = simulate(plan, Link(latency_s=DEFAULT_LATENCY_S, bandwidth_gbps=bandwidth))
+        predicted = model(plan, bandwidth)
+        step = backward_end + simulated
+        rows.append((bandwidth, simulated, predicted))
+        assert predicted >= simulated - UNDER_BOUND * step, (bandwidth, simulated, predicted, step)
+        assert abs(predicted - simulated) <= TOTAL_BOUND * step, (bandwidth, simulated, predicted, step)
+    assert rows[0][1] > 10 * rows[-1][1]  # the sweep spans hidden and exposed reductions
