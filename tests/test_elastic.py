@@ -232,7 +232,9 @@ def test_bf16_failure_reshard_and_scale_up_match_an_uninterrupted_bf16_run(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
-    assert [len(p.devices) for p in plans] == [4, 3, 4] and {p.dtype for p in plans} == {"bfloat16"}
+    # the re-plan avoids the failed GPU (how many of the other three it uses is the cost model's choice)
+    assert len(plans) == 3 and "n1:1" not in plans[1].devices and len(plans[2].devices) == 4
+    assert {p.dtype for p in plans} == {"bfloat16"}
     assert [r.kind for r in recoveries(records)] == ["failure", "scale-up"]
     optim = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=10, decay_steps=steps, weight_decay=0.1)
     ref_losses, ref_params, loss_rtol, param_atol = bf16_reference(
