@@ -127,6 +127,11 @@ class MainState:
                     start, stop = bucket.span(r)
                     master_at += stop - start
         self._buckets_of = {n: sorted({t[0] for t in ts}) for n, ts in self._targets.items()}
+        # parameters each bucket waits for: fixed by the plan, so counted once
+        self._waits_for = [0] * len(self.held)
+        for indices in self._buckets_of.values():
+            for index in indices:
+                self._waits_for[index] += 1
         self._order = [i for i, h in enumerate(self.held) if h.bucket.reduced]  # the global order
         self.stats = SyncStats()
         # Issue each bucket from backward's hooks as soon as it is ready (False: all of them in
@@ -143,7 +148,7 @@ class MainState:
         """Start a step: empty main gradients, every bucket waiting for all of its micro-batches."""
         for index, held in enumerate(self.held):
             held.grads.zero_()
-            held.pending = sum(1 for buckets in self._buckets_of.values() if index in buckets)
+            held.pending = self._waits_for[index]
             held.work = None
         self._counts = dict.fromkeys(self.model_params, 0)
         self._next = 0
