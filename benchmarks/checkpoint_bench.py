@@ -62,7 +62,7 @@ def plans(model: str, procs: int, seq_len: int) -> tuple[Plan, Plan]:
     L = config.num_layers
     a = tuple(
         Pipeline(
-            num_microbatches=1, stages=(Stage(layers=(0, L), devices=(f"n0:{2 * i}", f"n0:{2 * i + 1}")),)
+            num_microbatches=1, stages=(Stage(chunks=((0, L),), devices=(f"n0:{2 * i}", f"n0:{2 * i + 1}")),)
         )
         for i in range(procs // 2)
     )
@@ -71,7 +71,7 @@ def plans(model: str, procs: int, seq_len: int) -> tuple[Plan, Plan]:
         Pipeline(
             num_microbatches=procs // 2,
             stages=tuple(
-                Stage(layers=(cuts[i], cuts[i + 1]), devices=(f"n0:{2 * i}", f"n0:{2 * i + 1}"))
+                Stage(chunks=((cuts[i], cuts[i + 1]),), devices=(f"n0:{2 * i}", f"n0:{2 * i + 1}"))
                 for i in range(procs // 2)
             ),
         ),

@@ -94,7 +94,11 @@ def _plan(model_name, pipelines, *, dtype="float32", micro_batch_size=2, seq_len
             {
                 "num_microbatches": m,
                 "stages": [
-                    {"layers": list(layers), "devices": devices, **fields}
+                    {
+                        "layers": [list(c) for c in layers] if isinstance(layers[0], tuple) else list(layers),
+                        "devices": devices,
+                        **fields,
+                    }
                     for layers, devices, fields in stages
                 ],
             }
@@ -139,6 +143,25 @@ RUNTIME_PLANS = [
             [
                 (3, [((0, 3), ["n0:0", "n0:1"], SP), ((3, 6), ["n0:2"], {})]),
                 (2, [((0, 2), ["n1:0"], FULL), ((2, 6), ["n1:1", "n1:2"], {})]),
+            ],
+        ),
+        (
+            "interleaved 2 stages x 2 chunks, 5 micro-batches",
+            "gpt-tiny",
+            [(5, [(((0, 2), (3, 5)), ["n0:0"], {}), (((2, 3), (5, 6)), ["n0:1"], {})])],
+        ),
+        (
+            "interleaved TP2 SP (full on chunk 0) > TP1 > TP2 SP, 2 chunks",
+            "gpt-tiny",
+            [
+                (
+                    4,
+                    [
+                        (((0, 1), (3, 4)), ["n0:0", "n0:1"], {**SP, "recompute": ["full", "none"]}),
+                        (((1, 2), (4, 5)), ["n0:2"], {}),
+                        (((2, 3), (5, 6)), ["n0:3", "n0:4"], SP),
+                    ],
+                )
             ],
         ),
         (

@@ -1,13 +1,13 @@
 """Runtime benchmark: (1) a pure data-parallel plan against DistributedDataParallel, (2) the bytes of the
 cross-pipeline gradient sync against the minimum the layouts require, with and without ZeRO-1, (3) how
-much of the gradient reduction overlapping it with backward hides.
+much of the gradient reduction overlapping it with backward hides, (4) interleaved 1F1B against 1F1B.
 
 (1) Both trainers live in the same torchrun processes and take the same samples each step: Elastor's
 `Trainer` on a plan of one whole-model pipeline per process, and `DistributedDataParallel` around the
 reference model with the same micro-batches (gradient accumulation under `no_sync`), the same AdamW,
 clipping and schedule. Steps alternate between the two (which one goes first alternates too), after
 a barrier, so machine noise hits both alike; the figure is the ratio of median step times over 40
-steps each (target <= 1.10; on a shared 2-core machine one run varies by about +-5%). Their losses
+steps each (target <= 1.05; on a shared 2-core machine one run varies by about +-5%). Their losses
 must agree: the comparison is between two ways of computing the same thing.
 
 (2) For heterogeneous plans, every rank runs two training steps with the reductions issued after
@@ -26,10 +26,18 @@ and, on alternate steps, all after backward; per step, the seconds from the end 
 micro-batch's backward to the optimizer step (waiting for the reductions) and the step time. The
 fraction hidden is 1 - overlapped wait / plain wait (medians).
 
+(4) Interleaving: one pipeline of 4 stages and 8 micro-batches of gpt-tiny's widths with 6 blocks
+(gpt-tiny itself has 6 layers, too few for 4 stages of 2 chunks), trained in the same 4 processes by
+two trainers, one under 1F1B (2 layers per stage) and one under interleaved 1F1B (2 chunks of one
+layer per stage), step for step in alternation (which one goes first alternates too): the median
+step times side by side, and the cost model's prediction for both plans from the gpt-tiny CPU
+profile (profiles/gpt-tiny-cpu.json, its block row standing for all six blocks).
+
     .venv/bin/python benchmarks/runtime_bench.py [--out benchmarks/results/runtime_bench.json]
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -328,6 +336,93 @@ def _overlap_worker(plan_path: Path, steps: int, result: Path) -> None:
     dist.destroy_process_group()
 
 
+# A gpt-tiny with 6 blocks: 8 layers, enough for 4 stages of 2 chunks.
+GPT_TINY_DEEP = dataclasses.replace(PRESETS["gpt-tiny"], name="gpt-tiny-6-blocks", num_blocks=6)
+
+
+def interleave_plans() -> dict[int, dict]:
+    """The 4-stage, 8-micro-batch pipeline under 1F1B (v = 1) and interleaved 1F1B (v = 2)."""
+    devices = [[f"n0:{s}"] for s in range(4)]
+    one = [((2 * s, 2 * s + 2), d) for s, d in enumerate(devices)]
+    two = [(((s, s + 1), (4 + s, 5 + s)), d) for s, d in enumerate(devices)]
+
+    def plan(stages):
+        return {
+            "schema_version": 1,
+            "model": GPT_TINY_DEEP.to_json(),
+            "global_batch_size": 16,
+            "micro_batch_size": 2,
+            "seq_len": 128,
+            "pipelines": [
+                {
+                    "num_microbatches": 8,
+                    "stages": [
+                        {"layers": [list(c) for c in r] if isinstance(r[0], tuple) else list(r), "devices": d}
+                        for r, d in stages
+                    ],
+                }
+            ],
+        }
+
+    return {1: plan(one), 2: plan(two)}
+
+
+def _interleave_worker(steps: int, result: Path) -> None:
+    import torch.distributed as dist
+
+    from runtime.optim import OptimConfig
+    from runtime.trainer import Trainer
+
+    plans = {v: Plan.from_json(p).validate() for v, p in interleave_plans().items()}
+    ctx = _join(plans[1])
+    trainers = {v: Trainer(plan, ctx, optim=OptimConfig(), seed=0) for v, plan in plans.items()}
+    times: dict[int, list[float]] = {1: [], 2: []}
+    losses: dict[int, list[float]] = {1: [], 2: []}
+    for k in range(steps):
+        for v in (1, 2) if k % 2 == 0 else (2, 1):
+            dist.barrier()
+            start = time.perf_counter()
+            losses[v].append(trainers[v].train_step().loss)
+            times[v].append(time.perf_counter() - start)
+    for trainer in trainers.values():
+        trainer.close()
+    if ctx.rank == 0:
+        result.write_text(json.dumps({"times": times, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def run_interleave(steps: int, tmp: Path) -> list[dict]:
+    from costmodel.cluster import ClusterSpec
+    from costmodel.estimate import CostModel
+    from costmodel.profile import ModelProfile
+
+    result = tmp / "interleave.json"
+    _torchrun(4, ["--worker", "interleave", "--steps", str(steps), "--result", str(result)], 900)
+    data = json.loads(result.read_text())
+    warm = 2
+    measured = {v: statistics.median(data["times"][str(v)][warm:]) for v in (1, 2)}
+    tiny = json.loads((REPO / "profiles" / "gpt-tiny-cpu.json").read_text())
+    block = tiny["layers"][1]
+    blocks = [{**block, "name": f"blocks.{i}"} for i in range(GPT_TINY_DEEP.num_blocks)]
+    profile = ModelProfile.from_json(
+        {**tiny, "model": GPT_TINY_DEEP.to_json(), "layers": [tiny["layers"][0], *blocks, tiny["layers"][-1]]}
+    )
+    cm = CostModel(profile, ClusterSpec.parse("4", profile.device_kind))
+    predicted = {v: cm.estimate(Plan.from_json(p)).pipeline_times_s[0] for v, p in interleave_plans().items()}
+    gap = max(abs(a - b) / abs(b) for a, b in zip(data["losses"]["1"], data["losses"]["2"], strict=True))
+    return [
+        {
+            "plan": "gpt-tiny-6-blocks, 4 stages, 8 micro-batches of 2",
+            "measured_s": {str(v): measured[v] for v in (1, 2)},
+            "measured_ratio_v2_over_v1": measured[2] / measured[1],
+            "predicted_pipeline_s": {str(v): predicted[v] for v in (1, 2)},
+            "predicted_ratio_v2_over_v1": predicted[2] / predicted[1],
+            "max_loss_rel_diff": gap,
+            "steps_timed": steps - warm,
+        }
+    ]
+
+
 # ---- the driver ---------------------------------------------------------------------------------
 def run_dp(procs: int, steps: int, tmp: Path) -> list[dict]:
     rows = []
@@ -472,12 +567,15 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=2, help="processes of the DDP comparison (default: 2)")
     parser.add_argument("--steps", type=int, default=42, help="steps per trainer in the DDP comparison")
     parser.add_argument(
-        "--parts", default="dp,sync,overlap", help="which parts to run (default: %(default)s)"
+        "--parts", default="dp,sync,overlap,interleave", help="which parts to run (default: %(default)s)"
     )
     parser.add_argument(
         "--overlap-steps", type=int, default=24, help="steps of the overlap part (both modes)"
     )
-    parser.add_argument("--worker", choices=("dp", "sync", "overlap"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleave-steps", type=int, default=14, help="steps of the interleaving part (each schedule)"
+    )
+    parser.add_argument("--worker", choices=("dp", "sync", "overlap", "interleave"), help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -491,14 +589,20 @@ def main() -> int:
     if args.worker == "overlap":
         _overlap_worker(Path(args.plan), args.steps, Path(args.result))
         return 0
+    if args.worker == "interleave":
+        _interleave_worker(args.steps, Path(args.result))
+        return 0
 
     parts = set(args.parts.split(","))
-    if not parts or parts - {"dp", "sync", "overlap"}:
-        raise SystemExit("runtime_bench: --parts takes a comma-separated subset of dp, sync, overlap.")
+    if not parts or parts - {"dp", "sync", "overlap", "interleave"}:
+        raise SystemExit(
+            "runtime_bench: --parts takes a comma-separated subset of dp, sync, overlap, interleave."
+        )
     with tempfile.TemporaryDirectory() as tmp:
         dp = run_dp(args.procs, args.steps, Path(tmp)) if "dp" in parts else []
         sync = run_sync(Path(tmp)) if "sync" in parts else []
         overlap = run_overlap(args.overlap_steps, Path(tmp)) if "overlap" in parts else []
+        interleave = run_interleave(args.interleave_steps, Path(tmp)) if "interleave" in parts else []
     print(
         "(1) pure data parallelism: Elastor's runtime vs DistributedDataParallel, same processes and batches"
     )
@@ -549,18 +653,37 @@ def main() -> int:
             )
         )
     print(format_table(rows))
+    print("(4) interleaved 1F1B against 1F1B: same pipeline, same processes, alternating steps")
+    rows = [
+        ("plan", "1F1B s/step", "interleaved s/step", "measured v2/v1", "predicted v2/v1", "loss rel diff")
+    ]
+    for r in interleave:
+        rows.append(
+            (
+                r["plan"],
+                f"{r['measured_s']['1']:.4f}",
+                f"{r['measured_s']['2']:.4f}",
+                f"{r['measured_ratio_v2_over_v1']:.3f}",
+                f"{r['predicted_ratio_v2_over_v1']:.3f}",
+                f"{r['max_loss_rel_diff']:.1e}",
+            )
+        )
+    print(format_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "schema_version": 1,
-        "benchmark": "runtime",
-        "time_s": time.time(),
-        "dp_vs_ddp": dp,
-        "dp_target_ratio": DP_TARGET,
-        "sync_bytes": sync,
-        "sync_target_ratio": SYNC_TARGET,
-        "overlap": overlap,
-    }
+    # the parts not run this time keep their previous figures
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report.update({"schema_version": 1, "benchmark": "runtime", "dp_target_ratio": DP_TARGET})
+    report["sync_target_ratio"] = SYNC_TARGET
+    for part, key, rows in (
+        ("dp", "dp_vs_ddp", dp),
+        ("sync", "sync_bytes", sync),
+        ("overlap", "overlap", overlap),
+        ("interleave", "interleave", interleave),
+    ):
+        if part in parts:
+            report[key] = rows
+            report.setdefault("time_s_by_part", {})[part] = time.time()
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

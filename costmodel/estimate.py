@@ -20,6 +20,14 @@ for two stages when the back one is the slower, at most one transfer above for e
 within 10% above for balanced ones (tests state the bounds); with c = 0 it is the textbook
 (m + p - 1)(F + B).
 
+A pipeline whose stages hold v > 1 layer chunks runs interleaved 1F1B (costmodel/schedule.py):
+its time is `schedule.interleaved_time_s` over the stage totals (the fill and drain at chunk
+granularity, the inner links once each way and the wrap-around link from the last stage to the
+first v - 1 times, the steady state at the slowest stage's F + B plus its share of link latency;
+tested against the schedule's replay), and a stage's activations are the peak of its live chunks in
+its own order (`schedule.peak_live`, exact for the plan's m), each chunk keeping its own input and
+output.
+
 Gradient sync: every segment of every parameter has one holder per pipeline (costmodel.layout), and
 the holders reduce it together in gradient buckets (costmodel.sharding): ring all-reduce, or under
 ZeRO-1 reduce-scatter and, after the step, all-gather of the updated parameters in the plan's dtype.
@@ -66,7 +74,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from costmodel import analytic
+from costmodel import analytic, schedule
 from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s, reduce_scatter_s
 from costmodel.errors import ElastorError
@@ -74,6 +82,7 @@ from costmodel.hardware import DEVICE_KINDS
 from costmodel.layout import shard_box, stage_params
 from costmodel.plan import BUCKET_BYTES, OptimizerLayout, Pipeline, Plan, Stage
 from costmodel.profile import ModelProfile
+from costmodel.schedule import interleaved_time_s
 from costmodel.sharding import StateBytes, state_bound, state_bytes
 from costmodel.table import format_table
 
@@ -159,8 +168,9 @@ class StageCost:
             self.bucket_bytes,
         )
 
-    def memory_bytes(self, in_flight: int, state: StateBytes | None = None) -> dict[str, int]:
-        """Peak memory by kind when `in_flight` micro-batches' activations are held. The optimizer
+    def memory_bytes(self, in_flight: float, state: StateBytes | None = None) -> dict[str, int]:
+        """Peak memory by kind when `in_flight` micro-batches' activations are held (a fraction for
+        an interleaved stage: its peak of live chunks over one micro-batch's). The optimizer
         side (masters, main gradients, moments, ZeRO-1 gather buffers) is `state` where the plan is
         known (`costmodel.sharding.state_bytes`), else this stage's bound."""
         state = self.state_bytes() if state is None else state
@@ -168,8 +178,9 @@ class StageCost:
             "params": self.param_count * self.dtype_bytes + state.masters,
             "grads": state.grads,
             "optimizer": state.moments + state.steps,
-            "activations": (self.activation_bytes + self.input_kept_bytes + self.output_kept_bytes)
-            * in_flight,
+            "activations": _whole(
+                (self.activation_bytes + self.input_kept_bytes + self.output_kept_bytes) * in_flight
+            ),
             "sync_buffers": state.gather,
             "exchange_buffers": 2 * (self.boundary_bytes + self.input_bytes),  # one exchange's pieces
             "transient": self.transient_bytes,
@@ -507,19 +518,27 @@ class CostModel:
             self._planned_cache[key] = cost
         return self._planned_cache[key]
 
-    def planned_stage(self, layers: tuple[int, int], devices: tuple[str, ...]) -> Stage:
+    def planned_stage(self, layers, devices: tuple[str, ...]) -> Stage:
+        """A planner's stage of layers (start, end), or of chunks ((start, end), ...)."""
         return Stage(
-            layers=layers,
+            chunks=tuple(layers) if isinstance(layers[0], tuple) else (tuple(layers),),
             devices=devices,
             sequence_parallel=self.sequence_parallel(len(devices)),
             recompute=self.recompute,
         )
 
     def stage_of(self, stage: Stage, micro_batch_size: int) -> StageCost:
-        """The cost of a plan's stage, in its own sequence split and recompute mode."""
-        return self.stage(
-            *stage.layers, stage.tp_degree, micro_batch_size, stage.sequence_parallel, stage.recompute
-        )
+        """The cost of a plan's stage, in its own sequence split and recompute mode(s)."""
+        return combine_chunks(self.chunk_costs(stage, micro_batch_size))
+
+    def chunk_costs(self, stage: Stage, micro_batch_size: int) -> list[StageCost]:
+        """One cost per layer chunk of a plan's stage."""
+        return [
+            self.stage(
+                a, b, stage.tp_degree, micro_batch_size, stage.sequence_parallel, stage.chunk_recompute(k)
+            )
+            for k, (a, b) in enumerate(stage.chunks)
+        ]
 
     def p2p_s(self, stage: StageCost, inter_node: bool) -> float:
         """Sending one micro-batch's boundary activation (or its gradient) to the next stage: the
@@ -578,10 +597,14 @@ class CostModel:
         priced = []  # per pipeline: stage costs, p2p, time, sync, hide window
         for pipe in plan.pipelines:
             costs = [self.stage_of(st, mbs) for st in pipe.stages]
-            p2p = [self.p2p_s(costs[si], _crosses_nodes(pipe, si)) for si in range(len(pipe.stages) - 1)]
-            time_s = pipeline_time_s(
-                [c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, pipe.num_microbatches
-            )
+            S, v = len(pipe.stages), pipe.num_chunks
+            p2p = [self.p2p_s(costs[si], _crosses_nodes(pipe, si)) for si in range(S - 1)]
+            fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]
+            if v == 1:
+                time_s = pipeline_time_s(fwd, bwd, p2p, pipe.num_microbatches)
+            else:  # the wrap-around link carries chunk k's output of the last stage to the first
+                wrap = self.p2p_s(costs[-1], _crosses_nodes(pipe, S - 1, 0))
+                time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v)
             buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
             sync = self.sync(
                 max(c.param_count for c in costs),
@@ -610,7 +633,7 @@ class CostModel:
                         sync_s=sync.exposed_s(hide),
                         sync_hidden_s=sync.hidden_s(hide),
                         optimizer_s=cost.optimizer_s * min(1.0, kept),
-                        memory=cost.memory_bytes(in_flight(si, len(pipe.stages), m), state),
+                        memory=cost.memory_bytes(stage_in_flight(self, st, si, pipe, mbs), state),
                     )
                 )
         pipeline_times = [t for _, _, t, _, _ in priced]
@@ -628,11 +651,59 @@ class CostModel:
         )
 
 
+def _whole(nbytes):
+    """Bytes rounded up where a fractional in-flight count made them fractional (numpy grids pass)."""
+    return math.ceil(nbytes) if isinstance(nbytes, float) else nbytes
+
+
 def _total(state: StateBytes) -> int:
     return state.masters + state.grads + state.moments + state.steps + state.gather
 
 
-def _crosses_nodes(pipe: Pipeline, si: int) -> bool:
+def _crosses_nodes(pipe: Pipeline, si: int, to: int | None = None) -> bool:
+    """Whether stage si's link to stage `to` (default si + 1) crosses nodes."""
     here = parse_device(pipe.stages[si].devices[0])[0]
-    there = parse_device(pipe.stages[si + 1].devices[0])[0]
+    there = parse_device(pipe.stages[si + 1 if to is None else to].devices[0])[0]
     return here != there
+
+
+def combine_chunks(chunks: list[StageCost]) -> StageCost:
+    """One stage's cost from its chunks' (an interleaved stage): times, parameters, optimizer and
+    per-micro-batch activations add up (a micro-batch passes every chunk); the working memory is the
+    largest chunk's and the boundary tensors the largest. Start and end are the first chunk's start
+    and the last chunk's end. The schedule's boundary tensors are counted in the activations."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    kept = sum(c.activation_bytes + c.input_kept_bytes + c.output_kept_bytes for c in chunks)
+    return replace(
+        first,
+        end=chunks[-1].end,
+        compute_fwd_s=sum(c.compute_fwd_s for c in chunks),
+        compute_bwd_s=sum(c.compute_bwd_s for c in chunks),
+        tp_comm_fwd_s=sum(c.tp_comm_fwd_s for c in chunks),
+        tp_comm_bwd_s=sum(c.tp_comm_bwd_s for c in chunks),
+        param_count=sum(c.param_count for c in chunks),
+        activation_bytes=kept,
+        input_kept_bytes=0,
+        output_kept_bytes=0,
+        transient_bytes=max(c.transient_bytes for c in chunks),
+        boundary_bytes=max(c.boundary_bytes for c in chunks),
+        input_bytes=max(c.input_bytes for c in chunks),
+        optimizer_s=sum(c.optimizer_s for c in chunks),
+        param_tensors=sum(c.param_tensors for c in chunks),
+    )
+
+
+def stage_in_flight(cm: "CostModel", stage: Stage, si: int, pipe: Pipeline, mbs: int) -> float:
+    """Micro-batches' worth of activations stage si holds at its peak: min(p - s, m) under 1F1B; an
+    interleaved stage's peak of live chunk activations (`costmodel.schedule.peak_live`, each chunk
+    weighted by what it keeps per micro-batch) over what one micro-batch keeps in all its chunks."""
+    S, v, m = len(pipe.stages), pipe.num_chunks, pipe.num_microbatches
+    if v == 1:
+        return in_flight(si, S, m)
+    weights = [
+        c.activation_bytes + c.input_kept_bytes + c.output_kept_bytes for c in cm.chunk_costs(stage, mbs)
+    ]
+    total = sum(weights)
+    return schedule.peak_live(si, S, v, m, weights) / total if total else 0.0

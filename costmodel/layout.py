@@ -110,13 +110,19 @@ def layer_params(config: ModelConfig, index: int) -> list[ParamSpec]:
 
 
 def stage_params(config: ModelConfig, start: int, end: int) -> list[ParamSpec]:
-    """Parameters a stage holding layers [start, end) keeps, in module order.
+    """Parameters a stage holding layers [start, end) keeps, in module order (see `chunk_params`)."""
+    return chunk_params(config, ((start, end),))
+
+
+def chunk_params(config: ModelConfig, chunks) -> list[ParamSpec]:
+    """Parameters a stage holding the layer ranges `chunks` keeps, in module order (layer order).
 
     With tied embeddings, a stage that holds the head but not the embedding keeps its own copy of
     `embed.weight`; the gradient sync sums both copies' gradients like any replicated parameter.
     """
-    specs = [s for i in range(start, end) for s in layer_params(config, i)]
-    if config.tie_embeddings and end == config.num_layers and start > 0:
+    specs = [s for start, end in chunks for i in range(start, end) for s in layer_params(config, i)]
+    holds_head = any(end == config.num_layers for _, end in chunks)
+    if config.tie_embeddings and holds_head and not any(start == 0 for start, _ in chunks):
         specs.insert(0, layer_params(config, 0)[0])
     return specs
 
@@ -127,7 +133,7 @@ def device_pieces(plan: Plan, device: str) -> list[tuple[ParamSpec, Box]]:
     stage = plan.pipelines[pi].stages[si]
     tp_rank = stage.devices.index(device)
     return [
-        (spec, shard_box(spec, stage.tp_degree, tp_rank)) for spec in stage_params(plan.model, *stage.layers)
+        (spec, shard_box(spec, stage.tp_degree, tp_rank)) for spec in chunk_params(plan.model, stage.chunks)
     ]
 
 

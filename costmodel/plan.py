@@ -75,48 +75,97 @@ class OptimizerLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
-    layers: tuple[int, int]  # half-open range [start, end) of the layer list
+    """A group of devices that runs some layers of a pipeline as one tensor-parallel group.
+
+    `chunks` are the stage's layer ranges: one for today's 1F1B, several for the interleaved schedule
+    (Narayanan et al. 2021, section 2.2.2), where chunk k of every stage of a pipeline, in stage
+    order, forms virtual pipeline k, and the virtual pipelines follow each other through the layers.
+    `recompute` is one setting for all chunks, or one per chunk."""
+
+    chunks: tuple[tuple[int, int], ...]  # half-open ranges [start, end) of the layer list
     devices: tuple[str, ...]  # its tensor-parallel group, in TP-rank order
     # Norms, residual stream and boundary activations split along the sequence across the TP group
     # (Korthikanti et al. 2022, section 4.2.2); only meaningful at TP degree > 1.
     sequence_parallel: bool = False
-    recompute: str = "none"  # none | selective (the attention core) | full (each block's forward)
+    recompute: str | tuple[str, ...] = "none"  # none | selective (the attention core) | full (each block)
+
+    def __post_init__(self):
+        # one spelling per meaning, so equal stages compare equal
+        if isinstance(self.recompute, tuple) and len(set(self.recompute)) == 1:
+            object.__setattr__(self, "recompute", self.recompute[0])
+
+    @classmethod
+    def of(cls, start: int, end: int, devices, **fields) -> "Stage":
+        """A stage of one chunk, layers [start, end)."""
+        return cls(chunks=((start, end),), devices=tuple(devices), **fields)
 
     @property
     def tp_degree(self) -> int:
         return len(self.devices)
 
     @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The layer range of a stage of one chunk (an interleaved stage has several: use `chunks`)."""
+        if len(self.chunks) != 1:
+            raise ValueError(f"an interleaved stage has {len(self.chunks)} layer ranges; use .chunks")
+        return self.chunks[0]
+
+    @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        return sum(end - start for start, end in self.chunks)
+
+    def chunk_recompute(self, chunk: int) -> str:
+        return self.recompute if isinstance(self.recompute, str) else self.recompute[chunk]
 
     def to_json(self) -> dict[str, Any]:
         """The stage's JSON; the optional fields only where they differ from their defaults, so a
         plan written before them reads back as it was."""
-        data: dict[str, Any] = {"layers": list(self.layers), "devices": list(self.devices)}
+        layers = list(self.chunks[0]) if len(self.chunks) == 1 else [list(c) for c in self.chunks]
+        data: dict[str, Any] = {"layers": layers, "devices": list(self.devices)}
         if self.sequence_parallel:
             data["sequence_parallel"] = True
         if self.recompute != "none":
-            data["recompute"] = self.recompute
+            data["recompute"] = self.recompute if isinstance(self.recompute, str) else list(self.recompute)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Stage":
         require(data, "stage", "layers", "devices")
         layers, devices = data["layers"], data["devices"]
-        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
-            raise ElastorError(f"A stage's layers must be [start, end) integers, not {layers!r}.")
+
+        def is_range(x) -> bool:
+            return isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x)
+
+        if is_range(layers):
+            chunks = ((layers[0], layers[1]),)
+        elif isinstance(layers, list) and layers and all(is_range(c) for c in layers):
+            chunks = tuple((c[0], c[1]) for c in layers)
+        else:
+            raise ElastorError(
+                f"A stage's layers must be [start, end) integers or a list of such chunks, not {layers!r}."
+            )
         if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
             raise ElastorError(f'A stage\'s devices must be a list of names like "n0:1", not {devices!r}.')
         sp, recompute = data.get("sequence_parallel", False), data.get("recompute", "none")
         if not isinstance(sp, bool):
             raise ElastorError(f"A stage's sequence_parallel must be true or false, not {sp!r}.")
-        if recompute not in RECOMPUTE:
+        settings = recompute if isinstance(recompute, list) else [recompute]
+        if any(r not in RECOMPUTE for r in settings) or (
+            isinstance(recompute, list) and len(recompute) != len(chunks)
+        ):
             raise ElastorError(
-                f"A stage's recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}."
+                f"A stage's recompute must be one of {', '.join(RECOMPUTE)}, or a list of them with one "
+                f"per layer chunk ({len(chunks)}), not {recompute!r}."
             )
         return cls(
-            layers=(layers[0], layers[1]), devices=tuple(devices), sequence_parallel=sp, recompute=recompute
+            chunks=chunks,
+            devices=tuple(devices),
+            sequence_parallel=sp,
+            recompute=tuple(recompute) if isinstance(recompute, list) else recompute,
         )
 
 
@@ -128,6 +177,11 @@ class Pipeline:
     @property
     def devices(self) -> list[str]:
         return [d for s in self.stages for d in s.devices]
+
+    @property
+    def num_chunks(self) -> int:
+        """Layer chunks per stage: 1 for 1F1B, v > 1 for the interleaved schedule."""
+        return self.stages[0].num_chunks
 
     def to_json(self) -> dict[str, Any]:
         return {"num_microbatches": self.num_microbatches, "stages": [s.to_json() for s in self.stages]}
@@ -214,20 +268,32 @@ class Plan:
             if not pipe.stages:
                 problems.append(f"{where} has no stage.")
                 continue
+            chunks = {stage.num_chunks for stage in pipe.stages}
+            if len(chunks) > 1:
+                problems.append(
+                    f"{where}'s stages hold different numbers of layer chunks ({sorted(chunks)}); chunk k "
+                    "of every stage forms virtual pipeline k, so all need the same number."
+                )
+            if max(chunks) > 1 and len(pipe.stages) == 1:
+                problems.append(f"{where} has one stage; interleaving its layer chunks would change nothing.")
             expected_start = 0
+            for k in range(max(chunks)):
+                for si, stage in enumerate(pipe.stages):
+                    if k >= stage.num_chunks:
+                        continue
+                    where = f"Pipeline {pi} stage {si}" + (f" chunk {k}" if max(chunks) > 1 else "")
+                    start, end = stage.chunks[k]
+                    if start != expected_start:
+                        gap = "overlaps the previous stage" if start < expected_start else "leaves a gap"
+                        problems.append(
+                            f"{where} starts at layer {start} but the previous stage ends at "
+                            f"{expected_start}, so it {gap}."
+                        )
+                    if end <= start:
+                        problems.append(f"{where} has the empty or reversed layer range [{start}, {end}).")
+                    expected_start = max(end, expected_start)
             for si, stage in enumerate(pipe.stages):
-                where = f"Pipeline {pi} stage {si}"
-                start, end = stage.layers
-                if start != expected_start:
-                    gap = "overlaps the previous stage" if start < expected_start else "leaves a gap"
-                    problems.append(
-                        f"{where} starts at layer {start} but the previous stage ends at "
-                        f"{expected_start}, so it {gap}."
-                    )
-                if end <= start:
-                    problems.append(f"{where} has the empty or reversed layer range [{start}, {end}).")
-                expected_start = max(end, expected_start)
-                problems += self._stage_device_problems(where, stage, healthy, owner)
+                problems += self._stage_device_problems(f"Pipeline {pi} stage {si}", stage, healthy, owner)
             if expected_start != L:
                 problems.append(
                     f"Pipeline {pi} ends at layer {expected_start} but model {model.name!r} has {L} layers."
@@ -327,17 +393,20 @@ class Plan:
         ]
         for pi, pipe in enumerate(self.pipelines):
             for si, st in enumerate(pipe.stages):
-                start, end = st.layers
-                span = f"{names[start]}..{names[end - 1]}" if 0 <= start < end <= len(names) else "?"
+                ranges = ",".join(f"[{a},{b})" for a, b in st.chunks)
+                span = " ".join(
+                    f"{names[a]}..{names[b - 1]}" if 0 <= a < b <= len(names) else "?" for a, b in st.chunks
+                )
+                recompute = st.recompute if isinstance(st.recompute, str) else ",".join(st.recompute)
                 rows.append(
                     (
                         str(pi),
                         str(si),
-                        f"[{start},{end})",
+                        ranges,
                         span,
                         str(st.tp_degree),
                         "yes" if st.sequence_parallel else "",
-                        st.recompute if st.recompute != "none" else "",
+                        recompute if recompute != "none" else "",
                         str(pipe.num_microbatches) if si == 0 else "",
                         ",".join(st.devices),
                     )

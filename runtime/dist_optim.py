@@ -16,7 +16,13 @@ Overlap (as DDP and Megatron do): the hook counts a parameter's micro-batches; w
 parameter of a bucket has all of its pipeline's micro-batches, the bucket is ready, and ready
 buckets are issued asynchronously in the global bucket order (`costmodel.sharding.buckets`) while
 backward continues: all-reduce, or under ZeRO-1 an in-place reduce-scatter into this rank's region.
-`finish_reduction` waits for them just before the optimizer step. After the step, `publish` writes
+`finish_reduction` waits for them just before the optimizer step. On gloo the reduce-scatter is
+this module's own ring of point-to-point steps (`_ring_reduce_scatter`): gloo's `reduce_scatter`
+runs a whole all-reduce underneath and sends 2(n-1)/n of the buffer per rank instead of (n-1)/n
+(measured on the sockets by benchmarks/runtime_bench.py). A ring's steps depend on each other, so
+the rings run one bucket after another, in the global order, on one worker thread per rank, each
+holder set on a private group (`ProcessGroups.ring_group`); NCCL's reduce-scatter is already a ring
+and is used as it is. After the step, `publish` writes
 the masters into the module's parameters: locally, or under ZeRO-1 by an in-place all-gather of each
 bucket in the plan's dtype, at most `GATHER_WINDOW` buckets in flight (so the gather buffers cost at
 most that many buckets of memory).
@@ -33,6 +39,7 @@ where they are issued, ring volumes per rank (Patarasuk & Yuan 2009): all-reduce
 reduce-scatter and all-gather (n-1)/n * S each.
 """
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +81,7 @@ class _Held:
     kept: list[int]
     pending: int = 0  # parameters of this bucket still expecting micro-batches this step
     work: object = None
+    ring: tuple[object, list[int]] | None = None  # private group, holders' ranks: reduce-scatter by ring
 
 
 class MainState:
@@ -101,6 +109,8 @@ class MainState:
                 torch.zeros(bucket.kept_numel(device), dtype=torch.float32, device=where),
                 kept,
             )
+            if bucket.sharded and groups.ring_group(bucket.holders) is not None:
+                held.ring = (groups.ring_group(bucket.holders), [groups.rank_of[d] for d in bucket.holders])
             index = len(self.held)
             self.held.append(held)
             mine = not bucket.reduced or contributes(plan, device, bucket.holders)
@@ -137,6 +147,7 @@ class MainState:
         # Issue each bucket from backward's hooks as soon as it is ready (False: all of them in
         # `finish_reduction`, after backward; benchmarks/runtime_bench.py times both).
         self.overlap = True
+        self._ring_worker = ThreadPoolExecutor(1, "elastor-ring") if any(h.ring for h in self.held) else None
         model.to(dtype)
         self._counts: dict[str, int] = {}
         for name, param in self.model_params.items():
@@ -180,7 +191,16 @@ class MainState:
     def _issue(self, held: _Held) -> None:
         n = len(held.bucket.holders)
         nbytes = held.grads.numel() * held.grads.element_size()
-        if held.bucket.sharded:
+        if held.ring is not None:
+            group, ranks = held.ring
+            bucket = held.bucket
+            position = bucket.region_of(self.device)
+            future = self._ring_worker.submit(
+                _ring_reduce_scatter, held.grads, bucket.region_numel, position, ranks, group
+            )
+            held.work = _Done(future)
+            self._count("reduce_scatter", n, (n - 1) / n * nbytes, nbytes)
+        elif held.bucket.sharded:
             region = self._region(held, held.grads)
             held.work = dist.reduce_scatter_tensor(region, held.grads, group=held.group, async_op=True)
             self._count("reduce_scatter", n, (n - 1) / n * nbytes, nbytes)
@@ -257,6 +277,12 @@ class MainState:
                 self.model_params[rows.name].data[slices].copy_(values.movedim(0, rows.dim))
                 offset += rows.numel
 
+    def close(self) -> None:
+        """Stop the ring's worker thread (after the last step)."""
+        if self._ring_worker is not None:
+            self._ring_worker.shutdown(wait=True)
+            self._ring_worker = None
+
     # ---- accounting ---------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
         """What this state holds beside the optimizer's moments: module parameters and fp32 masters,
@@ -265,6 +291,35 @@ class MainState:
         masters = sum(h.masters.numel() * h.masters.element_size() for h in self.held)
         grads = sum(h.grads.numel() * h.grads.element_size() for h in self.held)
         return {"parameters_bytes": model + masters, "gradients_bytes": grads}
+
+
+@dataclass
+class _Done:
+    """A worker thread's reduction, waited for like a collective's work handle."""
+
+    future: Future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+@torch.no_grad()
+def _ring_reduce_scatter(flat: torch.Tensor, size: int, position: int, ranks: list[int], group) -> None:
+    """Reduce-scatter `flat` (n regions of `size` elements, region i belongs to `ranks[i]`) in place
+    over `group`: afterwards this rank's region, `position`, holds the sum over all n ranks (the other
+    regions hold partial sums). n - 1 steps; at step s each rank sends region (position - s - 1) to
+    its successor and adds what its predecessor sends into region (position - s - 2): (n - 1)/n of
+    the buffer sent per rank, the minimum (Patarasuk & Yuan 2009)."""
+    n = len(ranks)
+    successor, predecessor = ranks[(position + 1) % n], ranks[(position - 1) % n]
+    incoming = torch.empty(size, dtype=flat.dtype, device=flat.device)
+    for step in range(n - 1):
+        out = (position - step - 1) % n
+        into = (position - step - 2) % n
+        sent = dist.isend(flat[out * size : (out + 1) * size], successor, group=group)
+        dist.irecv(incoming, predecessor, group=group).wait()
+        flat[into * size : (into + 1) * size].add_(incoming)
+        sent.wait()
 
 
 def square_sum(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:

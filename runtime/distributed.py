@@ -10,7 +10,10 @@ Process groups are objects held by `ProcessGroups`, never module globals. `new_g
 over the whole job, so every rank creates every group, in one order derived from the plan alone:
 first the TP group of each stage (pipelines in plan order, stages in order), then one group per
 gradient-sync bucket of `costmodel.layout.sync_buckets` (in its deterministic order); a rank set
-that occurs twice gets one group.
+that occurs twice gets one group. Under ZeRO-1 on gloo each holder set also gets a private group for
+the ring reduce-scatter that `runtime.dist_optim` runs on a worker thread (`ring_group`): a group
+shared with the main thread's collectives (a stage's TP group is also the holder set of its
+replicated norm weights) could interleave the two threads' operations differently on its ranks.
 
 Failure bound: a rank that raises or is killed exits non-zero and its sockets close, so its gloo
 peers fail at once; torchrun polls its workers every 0.1 s and sends SIGTERM to the rest as soon as
@@ -108,19 +111,32 @@ class ProcessGroups:
                     self._create(stage.devices, timeout)
         for holders in sync_buckets(plan):
             self._create(holders, timeout)
+        self._ring: dict[tuple[int, ...], object] = {}
+        if plan.optimizer.sharding == "zero1" and dist.get_backend() == "gloo":
+            for holders in sync_buckets(plan):
+                ranks = self._ranks(holders)
+                if len(ranks) > 1 and ranks not in self._ring:
+                    self._ring[ranks] = dist.new_group(list(ranks), timeout=timeout)
         # The first operation on the default group must involve every rank (NCCL's rule for batched
         # point-to-point, which the pipelines use on it); this barrier is that operation.
         dist.barrier()
 
+    def _ranks(self, devices) -> tuple[int, ...]:
+        return tuple(sorted(self.rank_of[d] for d in devices))
+
     def _create(self, devices, timeout: timedelta) -> None:
-        ranks = tuple(sorted(self.rank_of[d] for d in devices))
+        ranks = self._ranks(devices)
         if ranks not in self._groups:
             self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
 
     def group(self, devices) -> object:
         """The group of `devices` (any order); None for a single device, which needs no collective."""
-        ranks = tuple(sorted(self.rank_of[d] for d in devices))
+        ranks = self._ranks(devices)
         return None if len(ranks) == 1 else self._groups[ranks]
+
+    def ring_group(self, devices) -> object | None:
+        """The private group of a holder set for the worker thread's ring (ZeRO-1 on gloo), else None."""
+        return self._ring.get(self._ranks(devices))
 
     def __len__(self) -> int:
         return len(self._groups)

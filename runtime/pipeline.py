@@ -1,4 +1,5 @@
-"""One pipeline's 1F1B schedule with point-to-point sends, for stages of any TP degree.
+"""One pipeline's 1F1B schedule with point-to-point sends, for stages of any TP degree, and the
+interleaved 1F1B schedule for stages that hold several layer chunks (`InterleavedSchedule`).
 
 The schedule is PipeDream-Flush / Megatron's non-interleaved 1F1B (Narayanan et al. 2021, section
 2.2): stage s of S runs min(S - s - 1, M) warm-up forwards, then alternates one forward and one
@@ -26,9 +27,17 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from costmodel import schedule
 from costmodel.boundary import Transfer, routes, stage_ranges
 from costmodel.plan import Plan, Stage
+from costmodel.schedule import Op
 from runtime.stage import StageModule
+
+
+def make_schedule(plan: Plan, device: str, model: StageModule, **kwargs):
+    """The schedule of `device`'s pipeline: 1F1B, or interleaved 1F1B when its stages hold chunks."""
+    interleaved = plan.pipelines[plan.placement(device)[0]].num_chunks > 1
+    return (InterleavedSchedule if interleaved else PipelineSchedule)(plan, device, model, **kwargs)
 
 
 def _links(
@@ -180,4 +189,126 @@ class PipelineSchedule:
             grad = self._exchange(None, [], self.recv_bwd)
             gx = self._backward(inputs.popleft(), outputs.popleft(), grad)
             self._exchange(gx, self.send_bwd, [])
+        return loss
+
+
+class InterleavedSchedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2) for stages of any TP degree: each stage
+    runs `costmodel.schedule.program`'s order of chunk-forwards and chunk-backwards.
+
+    Messages: a chunk's output goes to the next virtual stage (stage s + 1, or from the last stage to
+    the first for the next chunk) and its input gradient to the previous one, cut into the same
+    per-rank pieces as 1F1B's boundaries (`_links`, each boundary of the ring with its own routes).
+    Sends are posted (`isend`) as soon as a chunk is done and never waited for in the step's course
+    (a finished send is dropped when the next op starts; all are waited for at the step's end).
+    Receives are posted in the order the sending stage sends (`costmodel.schedule.sends`), so every
+    pair of ranks matches its messages in one order whatever the backend (NCCL has no tags), and a
+    rank waits only for the input of the op it runs next; a receive posted ahead of the one it needs
+    holds its buffer until then. With sends that do not wait there is no cycle of waits as long as
+    every op's input is produced by an op its sender runs without waiting for this rank's later
+    work, which `costmodel.schedule.replay` checks for the orders used (it raises on a deadlock).
+
+    Why not `torch.distributed.pipelining.ScheduleInterleaved1F1B`: like its 1F1B, it needs one TP
+    degree for the whole pipeline (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        device: str,
+        model: StageModule,
+        *,
+        torch_device: torch.device,
+        global_tokens: int,
+        dtype: torch.dtype = torch.float32,
+    ):
+        rank_of = {d: i for i, d in enumerate(plan.devices)}
+        pi, si = plan.placement(device)
+        pipe = plan.pipelines[pi]
+        stages = pipe.stages
+        S, v, m = len(stages), pipe.num_chunks, pipe.num_microbatches
+        me = stages[si].devices.index(device)
+        self.num_stages, self.num_chunks, self.stage_index = S, v, si
+        self.model, self.device, self.global_tokens, self.dtype = model, torch_device, global_tokens, dtype
+        self.batch_hidden = (plan.micro_batch_size, plan.model.hidden_size)
+        self.program = schedule.program(si, S, v, m)
+        previous, following = (si - 1) % S, (si + 1) % S
+        (_, self.recv_fwd), (self.send_bwd, _) = _links(
+            stages[previous], stages[si], me, plan.seq_len, rank_of, False
+        )
+        (self.send_fwd, _), (_, self.recv_bwd) = _links(
+            stages[si], stages[following], me, plan.seq_len, rank_of, True
+        )
+        # what each neighbouring stage sends this one, in its order (one list when both are one stage)
+        self.incoming = {src: schedule.sends(src, si, S, v, m) for src in {previous, following}}
+        self.bytes_sent = self.messages_sent = 0
+
+    # ---- point-to-point ------------------------------------------------------------------------
+    def _post_receive(self, kind: str) -> tuple[list, list]:
+        receive = self.recv_fwd if kind == "F" else self.recv_bwd
+        pieces, works = [], []
+        for peer, lo, hi in receive:
+            piece = torch.empty(
+                (self.batch_hidden[0], hi - lo, self.batch_hidden[1]), dtype=self.dtype, device=self.device
+            )
+            works.append(dist.irecv(piece, peer))
+            pieces.append(piece)
+        return pieces, works
+
+    def _receive(self, op: Op) -> torch.Tensor:
+        """The input `op` needs from its neighbour: post receives up to its message, wait for it."""
+        S = self.num_stages
+        src = schedule.source(op, self.stage_index, S, self.num_chunks)
+        virtual = op.chunk * S + self.stage_index
+        wanted = Op(op.kind, op.micro_batch, (virtual - 1 if op.kind == "F" else virtual + 1) // S)
+        queue = self.incoming[src]
+        while wanted not in self._posted[src]:
+            sent = queue[self._cursor[src]]
+            self._cursor[src] += 1
+            self._posted[src][sent] = self._post_receive(sent.kind)
+        pieces, works = self._posted[src].pop(wanted)
+        for work in works:
+            work.wait()
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _send(self, tensor: torch.Tensor, to: list) -> None:
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        for peer, lo, hi in to:
+            piece = tensor[:, lo:hi].contiguous()
+            self._sending.append((dist.isend(piece, peer), piece))
+            self.bytes_sent += piece.numel() * piece.element_size()
+            self.messages_sent += 1
+
+    # ---- the schedule ---------------------------------------------------------------------------
+    def run(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
+        """As `PipelineSchedule.run`, chunk by chunk in `costmodel.schedule.program`'s order."""
+        S, v, si = self.num_stages, self.num_chunks, self.stage_index
+        self._posted = {src: {} for src in self.incoming}
+        self._cursor = dict.fromkeys(self.incoming, 0)
+        self._sending: list = []
+        alive: dict[tuple[int, int], tuple] = {}
+        loss = torch.zeros((), device=self.device)
+        for op in self.program:
+            i, k = op.micro_batch, op.chunk
+            if op.kind == "F":
+                if self.model.starts(k):
+                    x, y = None, self.model(micro_batches[i][:, :-1], chunk=k)
+                else:
+                    x = self._receive(op).requires_grad_()
+                    y = self.model(x, chunk=k)
+                if self.model.ends(k):
+                    y = self.model.loss_sum(y, micro_batches[i][:, 1:]) / self.global_tokens
+                    loss = loss + y.detach()
+                elif schedule.destination(op, si, S, v) is not None:
+                    self._send(y.detach(), self.send_fwd)
+                alive[(i, k)] = (x, y)
+            else:
+                x, y = alive.pop((i, k))
+                grad = None if self.model.ends(k) else self._receive(op)
+                torch.autograd.backward(y, grad)
+                if x is not None:
+                    self._send(x.grad, self.send_bwd)
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
         return loss

@@ -29,7 +29,7 @@ from runtime.data import Prefetcher, open_source, pipeline_samples
 from runtime.dist_optim import MainState
 from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
 from runtime.optim import OptimConfig, build_optimizer, set_lr
-from runtime.pipeline import PipelineSchedule
+from runtime.pipeline import make_schedule
 from runtime.precision import DTYPES
 from runtime.stage import StageModule
 
@@ -65,7 +65,7 @@ class Trainer:
         self.model = StageModule(plan, device, self.groups.group(stage.devices), seed=seed).to(ctx.device)
         # fp32 masters and main gradient buckets from the fp32 weights; the module becomes plan.dtype
         self.main = MainState(plan, device, self.model, self.groups, DTYPES[plan.dtype])
-        self.schedule = PipelineSchedule(
+        self.schedule = make_schedule(
             plan,
             device,
             self.model,
@@ -86,7 +86,7 @@ class Trainer:
 
     def use_source(self, source) -> None:
         """Read samples from `source` from now on (first and last stages prefetch them)."""
-        self.close()
+        self._stop_prefetcher()
         self.source = source
         if self.model.is_first or self.model.is_last:
             offset, count = pipeline_samples(self.plan, self.pipeline_index)
@@ -127,6 +127,11 @@ class Trainer:
         )
 
     def close(self) -> None:
+        """After the last step: stop the prefetcher and the optimizer's worker thread."""
+        self._stop_prefetcher()
+        self.main.close()
+
+    def _stop_prefetcher(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None

@@ -60,7 +60,7 @@ from collections.abc import Sequence
 
 from costmodel import ClusterSpec, NodeSpec, Plan
 from costmodel.errors import ElastorError
-from costmodel.estimate import CostModel, in_flight
+from costmodel.estimate import CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
 from solver import baselines
@@ -86,8 +86,11 @@ def solve(
     *,
     limits: Limits | None = None,
     sharding: Sequence[str] = ("none",),
+    interleave: bool = False,
 ) -> Plan:
-    """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists."""
+    """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists.
+    `sharding` lists the optimizer layouts to search; with `interleave`, Elastor's search also offers
+    every pipeline template interleaved (solver.interleave: 2 to 8 layer chunks per stage)."""
     started = time.perf_counter()
     if method not in METHODS:
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
@@ -104,6 +107,7 @@ def solve(
             passes[recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
             continue
         for mode in sharding_passes(profile, cluster, global_batch_size, sizes, recompute, method, sharding):
+            mode = dataclasses.replace(mode, interleave=interleave)
             upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
             found = _solve_pass(
                 profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, mode, upper
@@ -245,7 +249,7 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
     for pipe in plan.pipelines:
         stages = []
         for si, stage in enumerate(pipe.stages):
-            held = in_flight(si, len(pipe.stages), pipe.num_microbatches)
+            held = stage_in_flight(cm, stage, si, pipe, plan.micro_batch_size)
             for mode in RECOMPUTE_PASSES[: RECOMPUTE_PASSES.index(stage.recompute)]:
                 lighter = dataclasses.replace(stage, recompute=mode)
                 cost = cm.stage_of(lighter, plan.micro_batch_size)

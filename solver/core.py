@@ -27,6 +27,7 @@ from costmodel.cluster import parse_device
 from costmodel.estimate import CostModel, SyncCost, steady_period_s
 from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
+from solver.interleave import with_interleaving
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.placement import place
@@ -232,6 +233,7 @@ class Pass:
     recompute: str = "none"
     sharding: str = "none"
     replicas: int = 1
+    interleave: bool = False  # also search interleaved 1F1B (solver.interleave; block-uniform models)
 
     def cost_model(self, profile: ModelProfile, cluster: ClusterSpec) -> CostModel:
         layout = OptimizerLayout(sharding=self.sharding)
@@ -286,10 +288,13 @@ def search(
             for plan in seeds
             if plan.micro_batch_size == mbs
             for p in plan.pipelines
+            if p.num_chunks == 1  # the baselines' pipelines; an interleaved one is a variant of its own
         ]
         templates = candidates(
             tables_for[mbs], profile, nodes, not inter, limits, incumbent, seeded if inter else []
         )
+        if mode.interleave and block_uniform(profile):
+            templates = with_interleaving(templates, tables_for[mbs], global_batch_size // mbs, sum(nodes))
         num_templates += len(templates)
         if not templates:
             continue

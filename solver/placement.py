@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.estimate import CostModel
+from solver.interleave import chunk_ranges
 from solver.templates import Template
 
 
@@ -39,7 +40,8 @@ def place(
     built = []
     for template, m in pipelines:
         stages, where = [], {}
-        for (start, end, tp), run in zip(template.stages, template.runs, strict=True):
+        chunks = chunk_ranges(template.stages, template.chunks)
+        for (_, _, tp), run, layers in zip(template.stages, template.runs, chunks, strict=True):
             if run not in where:
                 size = template.run_sizes[run]
                 if not slots[size]:
@@ -48,7 +50,7 @@ def place(
             node, offset = where[run]
             devices = tuple(f"{node.name}:{g}" for g in node.gpus[offset : offset + tp])
             where[run][1] = offset + tp
-            stages.append(cm.planned_stage((start, end), devices))
+            stages.append(cm.planned_stage(layers, devices))
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
         model=cm.profile.model,

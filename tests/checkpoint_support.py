@@ -1,6 +1,7 @@
 """Checkpoint test helpers: random valid plans, a deterministic full state, and each rank's pieces of it."""
 
 import functools
+import itertools
 import multiprocessing
 import os
 import random
@@ -17,13 +18,15 @@ from costmodel.plan import BUCKET_BYTES, SHARDING, OptimizerLayout
 from costmodel.sharding import state_boxes
 from runtime.checkpoint import Piece, Wanted
 from runtime.checkpoint.format import OPTIMIZER_PREFIXES
+from solver.interleave import chunk_ranges
 
 TINY = PRESETS["gpt-tiny"]
 KINDS = ("", *OPTIMIZER_PREFIXES)
 
 
 def random_plan(rng: random.Random, config: ModelConfig = TINY, world_size: int | None = None) -> Plan:
-    """A valid plan on 1-6 devices: random pipelines, stage boundaries, TP degrees and nodes."""
+    """A valid plan on 1-6 devices: random pipelines, stage boundaries (some interleaved, two layer
+    chunks per stage), TP degrees and nodes."""
     tp_choices = [t for t in range(1, 7) if config.num_heads % t == 0 and config.num_kv_heads % t == 0]
     world = world_size or rng.randint(1, 6)
     while True:
@@ -41,14 +44,18 @@ def random_plan(rng: random.Random, config: ModelConfig = TINY, world_size: int 
                 break
             bounds = sorted(rng.sample(range(1, config.num_layers), len(stages) - 1))
             edges = [0, *bounds, config.num_layers]
+            chunks = [((edges[i], edges[i + 1]),) for i in range(len(stages))]
+            counts = [b - a for a, b in itertools.pairwise(edges)]
+            if len(stages) > 1 and min(counts) >= 2 and rng.random() < 0.7:  # interleaved, 2 chunks
+                chunks = chunk_ranges(
+                    [(a, b, tp) for (a, b), tp in zip(itertools.pairwise(edges), stages, strict=True)], 2
+                )
             built = []
             for i, tp in enumerate(stages):
                 node = f"n{rng.randint(0, 2)}"
                 gpus = range(next_gpu.get(node, 0), next_gpu.get(node, 0) + tp)
                 next_gpu[node] = gpus.stop
-                built.append(
-                    Stage(layers=(edges[i], edges[i + 1]), devices=tuple(f"{node}:{g}" for g in gpus))
-                )
+                built.append(Stage(chunks=chunks[i], devices=tuple(f"{node}:{g}" for g in gpus)))
             pipelines.append(Pipeline(num_microbatches=rng.randint(1, 3), stages=tuple(built)))
         else:
             batch = sum(p.num_microbatches for p in pipelines)

@@ -107,7 +107,12 @@ def plan_json(
     micro_batch_size: int = 1,
     seq_len: int = 32,
 ) -> dict[str, Any]:
-    """A plan from [(num_microbatches, [((start, end), [devices]), ...]), ...]."""
+    """A plan from [(num_microbatches, [((start, end), [devices]), ...]), ...]; an interleaved stage
+    gives its chunks, ((start, end), (start, end), ...), in place of (start, end)."""
+
+    def layers(spec) -> list:
+        return [list(c) for c in spec] if isinstance(spec[0], tuple | list) else list(spec)
+
     return {
         "schema_version": 1,
         "model": model,
@@ -117,7 +122,7 @@ def plan_json(
         "pipelines": [
             {
                 "num_microbatches": m,
-                "stages": [{"layers": list(layers), "devices": devices} for layers, devices in stages],
+                "stages": [{"layers": layers(spec), "devices": devices} for spec, devices in stages],
             }
             for m, stages in pipelines
         ],

@@ -29,16 +29,17 @@ PAIRS = 60
 KINDS_FP32 = {"": 4, "optim.exp_avg.": 4, "optim.exp_avg_sq.": 4}
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 2])
+@pytest.mark.parametrize("chunk", [0, pytest.param(1, marks=pytest.mark.slow), 2])  # 1: small chunks, slow
 def test_random_plan_pairs_reshard_bit_identically(tmp_path, chunk):
     """PAIRS random (A, B) pairs in three groups, each with different chunk and piece sizes."""
     rng = random.Random(1000 + chunk)
     chunk_bytes, piece_bytes = [(1 << 20, 32 << 20), (4096, 1 << 16), (512, 8192)][chunk]
-    worlds, shardings = Counter(), Counter()
+    worlds, shardings, schedules = Counter(), Counter(), Counter()
     for i in range(PAIRS // 3):
         a, b = random_plan(rng), random_plan(rng)
         worlds[(a.world_size, b.world_size)] += 1
         shardings[(a.optimizer.sharding, b.optimizer.sharding)] += 1
+        schedules[(_interleaved(a), _interleaved(b))] += 1
         directory = tmp_path / f"pair{i}"
         save_in_process(directory, a, step=i, salt=i, chunk_bytes=chunk_bytes, piece_bytes=piece_bytes)
         for rank in range(b.world_size):
@@ -49,6 +50,11 @@ def test_random_plan_pairs_reshard_bit_identically(tmp_path, chunk):
                 assert torch.equal(got, want), f"{a.summary()}\n->\n{b.summary()}\n{w.name} at {w.offsets}"
     assert len({w for pair in worlds for w in pair}) >= 4, "the random plans should span world sizes"
     assert shardings[("zero1", "none")] + shardings[("none", "zero1")] >= 6, shardings  # mixed pairs
+    assert schedules[(True, False)] + schedules[(False, True)] >= 2, schedules  # interleaved <-> 1F1B
+
+
+def _interleaved(plan) -> bool:
+    return any(p.num_chunks > 1 for p in plan.pipelines)
 
 
 def test_random_plans_cover_the_plan_space():
@@ -57,7 +63,8 @@ def test_random_plans_cover_the_plan_space():
     assert {p.world_size for p in plans} == set(range(1, 7))
     assert {len(p.pipelines) for p in plans} >= {1, 2, 3}
     assert {s.tp_degree for p in plans for q in p.pipelines for s in q.stages} >= {1, 2, 3}
-    assert len({tuple(s.layers for s in q.stages) for p in plans for q in p.pipelines}) > 10
+    assert len({tuple(s.chunks for s in q.stages) for p in plans for q in p.pipelines}) > 10
+    assert sum(_interleaved(p) for p in plans) >= 10
 
 
 def test_real_processes_reshard_over_gloo(tmp_path):
@@ -100,8 +107,8 @@ def test_replicated_state_is_written_in_parallel_with_balanced_bytes():
     """gpt-small on 4 data-parallel replicas, and on two TP=2 replicas: every rank writes ~1/4."""
     small = PRESETS["gpt-small"]
     for stages in (
-        [Stage(layers=(0, small.num_layers), devices=(f"n0:{g}",)) for g in range(4)],
-        [Stage(layers=(0, small.num_layers), devices=(f"n0:{g}", f"n0:{g + 1}")) for g in (0, 2)],
+        [Stage(chunks=((0, small.num_layers),), devices=(f"n0:{g}",)) for g in range(4)],
+        [Stage(chunks=((0, small.num_layers),), devices=(f"n0:{g}", f"n0:{g + 1}")) for g in (0, 2)],
     ):
         pipelines = tuple(Pipeline(num_microbatches=1, stages=(s,)) for s in stages)
         plan = Plan(
@@ -123,7 +130,7 @@ def test_a_load_reads_only_the_bytes_its_boxes_need(tmp_path):
         global_batch_size=1,
         micro_batch_size=1,
         seq_len=16,
-        pipelines=(Pipeline(num_microbatches=1, stages=(Stage(layers=(0, 6), devices=("n0:0",)),)),),
+        pipelines=(Pipeline(num_microbatches=1, stages=(Stage(chunks=((0, 6),), devices=("n0:0",)),)),),
     )
     three = Plan(
         model=TINY,
@@ -131,7 +138,7 @@ def test_a_load_reads_only_the_bytes_its_boxes_need(tmp_path):
         micro_batch_size=1,
         seq_len=16,
         pipelines=(
-            Pipeline(num_microbatches=1, stages=(Stage(layers=(0, 6), devices=("n0:0", "n0:1", "n0:2")),)),
+            Pipeline(num_microbatches=1, stages=(Stage(chunks=((0, 6),), devices=("n0:0", "n0:1", "n0:2")),)),
         ),
     )
     save_in_process(tmp_path, one, step=1, salt=0, chunk_bytes=chunk, piece_bytes=1 << 20)

@@ -24,7 +24,7 @@ TINY = PRESETS["gpt-tiny"]
 
 def _plan(pipelines, mbs=2, config=TINY):
     pipes = tuple(
-        Pipeline(num_microbatches=m, stages=tuple(Stage(layers=r, devices=tuple(d)) for r, d in stages))
+        Pipeline(num_microbatches=m, stages=tuple(Stage(chunks=(r,), devices=tuple(d)) for r, d in stages))
         for m, stages in pipelines
     )
     total = sum(m for m, _ in pipelines)

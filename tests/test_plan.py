@@ -67,7 +67,7 @@ def test_shape_queries():
     with pytest.raises(KeyError):
         plan.placement("n0:7")
     stage = plan.pipelines[1].stages[1]
-    assert stage == Stage(layers=(2, 6), devices=("n0:3",))
+    assert stage == Stage(chunks=((2, 6),), devices=("n0:3",))
     assert (stage.tp_degree, stage.num_layers) == (1, 4)
 
 
@@ -316,10 +316,13 @@ def test_hand_built_plan_without_json():
         micro_batch_size=3,
         seq_len=32,
         pipelines=(
-            Pipeline(num_microbatches=1, stages=(Stage(layers=(0, 4), devices=("n0:0", "n0:1")),)),
+            Pipeline(num_microbatches=1, stages=(Stage(chunks=((0, 4),), devices=("n0:0", "n0:1")),)),
             Pipeline(
                 num_microbatches=1,
-                stages=(Stage(layers=(0, 1), devices=("n1:0",)), Stage(layers=(1, 4), devices=("n1:1",))),
+                stages=(
+                    Stage(chunks=((0, 1),), devices=("n1:0",)),
+                    Stage(chunks=((1, 4),), devices=("n1:1",)),
+                ),
             ),
         ),
     )

@@ -247,6 +247,7 @@ def test_a_partial_node_never_makes_elastor_slower_than_dropping_it():
     assert plan.predicted["samples_per_s"] >= dropped.predicted["samples_per_s"] * (1 - 1e-12)
 
 
+@pytest.mark.slow  # two searches of a 2,000-GPU cluster: minutes on two cores
 def test_a_node_more_never_plans_slower_when_the_batch_is_small_for_the_cluster():
     """512 micro-batches on 256 nodes wanted few, deep pipelines (23 of 9 nodes and 7 of 7, TP 8 each)
     before sequence parallelism and recomputation: without single-group whole-node skeletons deeper

@@ -32,6 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="optimizer state: sharded over each bucket's holders (zero1), not (none; default), or "
         "whichever is faster (auto: searches the ZeRO-1 passes too, several times the solve time)",
     )
+    p.add_argument(
+        "--chunks",
+        choices=("1", "auto"),
+        default="1",
+        help="layer chunks per stage: 1 (1F1B; default), or auto: also search interleaved 1F1B with "
+        "2-8 chunks per stage, chosen per pipeline (about three times the solve time)",
+    )
     p.add_argument("--compare", action="store_true", help="also solve with every other method and compare")
     p.add_argument(
         "--micro-batch-sizes", help="micro-batch sizes to consider, comma-separated (default: all profiled)"
@@ -68,7 +75,14 @@ def run(args: argparse.Namespace) -> int:
     sizes = micro_batch_sizes(args.micro_batch_sizes)
     sharding = SHARDING if args.sharding == "auto" else (args.sharding,)
     plan = solver.solve(
-        profile, cluster, args.global_batch_size, args.method, sizes, args.time_limit, sharding=sharding
+        profile,
+        cluster,
+        args.global_batch_size,
+        args.method,
+        sizes,
+        args.time_limit,
+        sharding=sharding,
+        interleave=args.chunks == "auto",
     )
     write_json(args.out, plan.to_json())
     print(plan.summary())
@@ -79,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
     )
-    print(f"{plan.dtype}, optimizer {plan.optimizer.sharding}; passes (predicted step s): {info['passes']}")
+    chunks = sorted({p.num_chunks for p in plan.pipelines})
+    print(
+        f"{plan.dtype}, optimizer {plan.optimizer.sharding}, layer chunks per stage {chunks}; "
+        f"passes (predicted step s): {info['passes']}"
+    )
     if args.compare:
         print(compare(profile, cluster, args.global_batch_size, plan, sizes, args.time_limit))
     return 0

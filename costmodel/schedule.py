@@ -1,0 +1,187 @@
+"""The interleaved 1F1B schedule of one pipeline: each stage's order of work, the messages between
+stages, and a step-by-step replay of it. Torch-free: the runtime (`runtime.pipeline`) runs exactly
+these orders, the cost model prices them and tests hold the two together.
+
+A pipeline of S stages whose stages hold v layer chunks each is a pipeline of S·v virtual stages:
+virtual stage k·S + s is chunk k of stage s, so micro-batch i's forward runs chunk 0 on stages 0..S-1,
+then chunk 1 on stages 0..S-1 (stage S-1 sends chunk 0's output to stage 0), and so on; backward in
+reverse. Each stage runs its chunk-forwards in the order of Megatron-LM's interleaved schedule
+(Narayanan et al. 2021, section 2.2.2): micro-batches in groups of S, for each group chunk 0 of every
+micro-batch of the group, then chunk 1, ...; the last group may be smaller, which is how micro-batch
+counts that S does not divide are handled (as Megatron-core's schedule table does). Backwards follow
+the same table with the chunks reversed. Stage s first runs
+
+    warmup_s = min((S - s - 1) + (v - 1)·S, m·v)
+
+chunk-forwards, then alternates one forward and one backward, then drains the remaining backwards.
+At v = 1 this is today's 1F1B (S - s - 1 warm-up forwards). Megatron warms up with 2(S - s - 1) +
+(v - 1)·S because its exchanges are blocking and paired step by step; here a stage sends as soon as a
+chunk is done and waits only for the input it needs next (`runtime.pipeline`), so the shorter
+warm-up suffices and keeps S - s fewer chunk activations alive (`replay` checks that no order of
+arrivals can deadlock: it would stop with work left).
+
+Cost: the replay with per-chunk times is the reference; `interleaved_time_s` is the closed form the
+cost model and the solver use, tested against the replay in tests/test_interleaved_schedule.py.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" or "B"
+    micro_batch: int
+    chunk: int
+
+
+def groups(num_stages: int, m: int) -> list[range]:
+    """The micro-batch groups of the forward table: groups of S, the remainder of m / S joined to the
+    first one (a group smaller than S would leave the wrap-around link's wait unhidden, and a later
+    group larger than the first would let backward overtake forward); one group of all m when
+    m < 2S."""
+    if m < 2 * num_stages:
+        return [range(m)]
+    first = num_stages + m % num_stages
+    return [range(0, first)] + [range(low, low + num_stages) for low in range(first, m, num_stages)]
+
+
+def table(num_stages: int, num_chunks: int, m: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) in forward order: group by group, chunk by chunk."""
+    return [(i, k) for group in groups(num_stages, m) for k in range(num_chunks) for i in group]
+
+
+def warmup(stage: int, num_stages: int, num_chunks: int, m: int) -> int:
+    """Chunk-forwards stage `stage` runs before its first backward (module docstring)."""
+    first = len(groups(num_stages, m)[0])
+    return min(num_stages - stage - 1 + (num_chunks - 1) * first, m * num_chunks)
+
+
+def program(stage: int, num_stages: int, num_chunks: int, m: int) -> list[Op]:
+    """Stage `stage`'s work in order."""
+    forwards = [Op("F", i, k) for i, k in table(num_stages, num_chunks, m)]
+    backwards = [Op("B", i, num_chunks - 1 - k) for i, k in table(num_stages, num_chunks, m)]
+    w = warmup(stage, num_stages, num_chunks, m)
+    ops = forwards[:w]
+    for j in range(len(forwards) - w):
+        ops += [forwards[w + j], backwards[j]]
+    return ops + backwards[len(forwards) - w :]
+
+
+def source(op: Op, stage: int, num_stages: int, num_chunks: int) -> int | None:
+    """The stage whose message `op` on `stage` waits for: the previous virtual stage's (forward) or
+    the next one's (backward); None where the input is data (first virtual stage's forward) or the
+    loss (last virtual stage's backward)."""
+    virtual = op.chunk * num_stages + stage
+    other = virtual - 1 if op.kind == "F" else virtual + 1
+    if not 0 <= other < num_stages * num_chunks:
+        return None
+    return other % num_stages
+
+
+def destination(op: Op, stage: int, num_stages: int, num_chunks: int) -> int | None:
+    """The stage `op`'s result goes to (the next virtual stage's forward input, the previous one's
+    output gradient); None for the loss and for the first virtual stage's input gradient."""
+    virtual = op.chunk * num_stages + stage
+    other = virtual + 1 if op.kind == "F" else virtual - 1
+    if not 0 <= other < num_stages * num_chunks:
+        return None
+    return other % num_stages
+
+
+def sends(stage: int, to: int, num_stages: int, num_chunks: int, m: int) -> list[Op]:
+    """The ops whose results `stage` sends to stage `to`, in the order it sends them (its program's):
+    the order in which `to` posts its receives from `stage`."""
+    return [
+        op
+        for op in program(stage, num_stages, num_chunks, m)
+        if destination(op, stage, num_stages, num_chunks) == to
+    ]
+
+
+def peak_live(stage: int, num_stages: int, num_chunks: int, m: int, weights: Sequence[float]) -> float:
+    """The most activation a stage keeps at once: each chunk-forward's activation (weights[chunk])
+    lives until its backward. Exact: it depends only on the stage's own order."""
+    live = peak = 0.0
+    for op in program(stage, num_stages, num_chunks, m):
+        if op.kind == "F":
+            live += weights[op.chunk]
+            peak = max(peak, live)
+        else:
+            live -= weights[op.chunk]
+    return peak
+
+
+def peak_in_flight(stage: int, num_stages: int, num_chunks: int, m: int) -> int:
+    """Chunk activations alive at once on `stage` at its peak."""
+    return round(peak_live(stage, num_stages, num_chunks, m, [1.0] * num_chunks))
+
+
+def replay(
+    fwd: Sequence[Sequence[float]],
+    bwd: Sequence[Sequence[float]],
+    p2p: Sequence[float],
+    m: int,
+) -> list[float]:
+    """Each stage's finish time when every stage runs its program, each op as soon as its stage is
+    free and its input has arrived (the producer's end plus the link's transfer time).
+
+    fwd[s][k], bwd[s][k]: chunk k's times on stage s; p2p[s]: the link from stage s to stage s + 1
+    (p2p[S - 1]: from the last stage back to the first, which carries chunk k's output to chunk
+    k + 1; unused at v = 1), the same time in both directions."""
+    S, v = len(fwd), len(fwd[0])
+    programs = [program(s, S, v, m) for s in range(S)]
+    ends: dict[tuple[int, Op], float] = {}
+    clock, cursor = [0.0] * S, [0] * S
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(S):
+            while cursor[s] < len(programs[s]):
+                op = programs[s][cursor[s]]
+                start = clock[s]
+                if op.kind == "B" and (s, Op("F", op.micro_batch, op.chunk)) not in ends:
+                    break  # its own forward has not run: the order is broken
+                src = source(op, s, S, v)
+                if src is not None:
+                    virtual = op.chunk * S + s
+                    before = virtual - 1 if op.kind == "F" else virtual + 1
+                    key = (src, Op(op.kind, op.micro_batch, before // S))
+                    if key not in ends:
+                        break
+                    link = p2p[min(s, src)] if abs(s - src) == 1 else p2p[S - 1]
+                    start = max(start, ends[key] + link)
+                clock[s] = start + (fwd if op.kind == "F" else bwd)[s][op.chunk]
+                ends[(s, op)] = clock[s]
+                cursor[s] += 1
+                progressed = True
+    if any(c < len(p) for c, p in zip(cursor, programs, strict=True)):
+        raise RuntimeError(f"the interleaved schedule deadlocks: {S} stages, {v} chunks, {m} micro-batches")
+    return clock
+
+
+def interleaved_time_s(
+    fwd: Sequence[float], bwd: Sequence[float], p2p: Sequence[float], m: int, num_chunks: int
+) -> float:
+    """The closed form of one interleaved pipeline's time, from stage totals fwd[s], bwd[s] (over its
+    chunks) and p2p as in `replay` (S entries, the last the wrap-around link). With W_s = F_s + B_s,
+    P = max_s W_s and v chunks:
+
+        max( sum_s W_s / v + (m - 1/v) P,   sum_s W_s + (m - 1) P / v )
+        + 2 (sum_{s < S-1} c_s + (v - 1) c_wrap) + m (2 v / S) sum_{s < S-1} c_s
+
+    The first term is Megatron's (m + (S - 1)/v)(F + B) generalised to unequal stages: the fill and
+    drain cross every stage at chunk granularity, the rest runs at the slowest stage's pace; it binds
+    once m >= S. With fewer micro-batches than stages every micro-batch crosses all S·v virtual
+    stages and the next follows one chunk behind: the second term. Transfers: the fill and the drain
+    cross the inner links once and the wrap-around link v - 1 times each; in the steady state each
+    group of S micro-batches waits for the inner links 2v times (a stage's next input is produced by
+    a neighbour that was itself waiting), which the replay of equal stages shows exactly. Exact
+    against `replay` for equal stages and chunks; tests/test_interleaved_schedule.py states the
+    bounds for unequal ones."""
+    S, v = len(fwd), num_chunks
+    work = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    slowest = max(work)
+    compute = max(sum(work) / v + (m - 1 / v) * slowest, sum(work) + (m - 1) * slowest / v)
+    inner, wrap = sum(p2p[: S - 1]), p2p[S - 1]
+    return compute + 2 * (inner + (v - 1) * wrap) + m * 2 * v * inner / S

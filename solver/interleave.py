@@ -1,0 +1,102 @@
+"""Interleaved variants of pipeline templates: how the solver chooses the number of layer chunks.
+
+A template's stages hold contiguous layer ranges. Its variant with v chunks keeps every stage's layer
+count n_s (at least v), TP degree and node run, and deals the stage's layers into v chunks (n_s // v
+each, the first n_s % v one more); virtual pipeline k is chunk k of every stage in order
+(`chunk_ranges`). In a profile whose blocks are identical (the solver plans interleaving only there)
+the embedding still opens stage 0 and the head still closes the last stage, so every stage keeps
+exactly its compute, parameters, optimizer step and gradient sync, and only the schedule changes:
+
+- time (`costmodel.schedule.interleaved_time_s` for m >= S, as the master's line A + (m - 1) M):
+      M = P + (2v / S) sum_inner c,
+      A = sum_s W_s / v + 2 (sum_inner c + (v - 1) c_wrap) + (1 - 1/v) P + (2v / S) sum_inner c
+  with W_s = F_s + B_s, P = max_s W_s, c the links of the template (the wrap-around link from the
+  last stage to the first is inter-node unless both are in one run);
+- memory: stage s keeps `costmodel.schedule.peak_in_flight(s, S, v, m)` chunk activations, which is
+  largest when the first micro-batch group is largest (m % S = S - 1, or 2S - 1 micro-batches):
+  that many over v micro-batches' worth, plus one for the chunks' own boundary tensors, must fit
+  (`StageTable.max_in_flight`), whatever m the master picks. Conservative: the plan's own estimate
+  counts its m exactly.
+
+Per template, one variant joins it: the chunk count (2 to MAX_CHUNKS, at most its smallest stage's
+layers) fastest at the micro-batches the template's pipelines get when the whole cluster runs copies
+of it; of the two, `lower_envelope` (solver.templates) keeps those best for some m >= p, usually the
+variant alone, since it is never slower where transfers are cheap. So the master sees at most twice
+the templates and picks chunks jointly with cuts, TP, recompute and sharding. Not exact: a chunk
+count fastest only at a micro-batch count far from that estimate is not offered.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from costmodel import schedule
+from solver.stages import StageTable, exchanges_s
+from solver.templates import Template, lower_envelope
+
+MAX_CHUNKS = 8  # Megatron-LM's interleaved runs use a few chunks; more multiplies the exchanges
+
+
+def chunk_ranges(
+    stages: Sequence[tuple[int, int, int]], num_chunks: int
+) -> list[tuple[tuple[int, int], ...]]:
+    """Each stage's layer chunks when a template of `stages` (start, end, tp) is interleaved."""
+    counts = [
+        [(e - s) // num_chunks + (1 if k < (e - s) % num_chunks else 0) for k in range(num_chunks)]
+        for s, e, _ in stages
+    ]
+    chunks: list[list[tuple[int, int]]] = [[] for _ in stages]
+    at = 0
+    for k in range(num_chunks):
+        for si in range(len(stages)):
+            chunks[si].append((at, at + counts[si][k]))
+            at += counts[si][k]
+    return [tuple(c) for c in chunks]
+
+
+def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: int) -> Template | None:
+    """`template` run with `num_chunks` chunks per stage, or None where a stage has fewer layers than
+    chunks or its activations would not fit (module docstring)."""
+    stages, v = template.stages, num_chunks
+    S = len(stages)
+    if S < 2 or any(e - s < v for s, e, _ in stages):
+        return None
+    worst_m = 2 * S - 1  # the largest first group (costmodel.schedule.groups)
+    for si, (s, e, tp) in enumerate(stages):
+        needed = math.ceil(schedule.peak_in_flight(si, S, v, worst_m) / v) + 1
+        if tables[tp].max_in_flight[s][e] < needed:
+            return None
+    work = [tables[tp].time_s[s][e] for s, e, tp in stages]
+    inner = sum(exchanges_s(tables, stages, template.runs))
+    last_tp = stages[-1][2]
+    same_run = template.runs[0] == template.runs[-1]
+    wrap = (tables[last_tp].p2p_intra_s if same_run else tables[last_tp].p2p_inter_s)[stages[-1][0] + 1]
+    slowest = max(work)
+    steady = 2 * v / S * inner
+    return dataclasses.replace(
+        template,
+        pipeline_s=sum(work) / v + 2 * (inner + (v - 1) * wrap) + (1 - 1 / v) * slowest + steady,
+        bottleneck_s=slowest + steady,
+        chunks=v,
+    )
+
+
+def with_interleaving(
+    templates: list[Template], tables: dict[int, StageTable], num_microbatches: int, gpus: int
+) -> list[Template]:
+    """Every template, or its best interleaved variant in its place where that is never slower, or
+    both (module docstring)."""
+    out = []
+    for template in templates:
+        most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
+        variants = [
+            v for v in (interleaved(template, tables, k) for k in range(2, most + 1)) if v is not None
+        ]
+        if not variants:
+            out.append(template)
+            continue
+        # the micro-batches a pipeline of this template gets when the whole cluster runs copies of it
+        m = max(template.num_stages, math.ceil(num_microbatches * template.num_gpus / gpus))
+        best = min(variants, key=lambda t: t.time_s(m))
+        out += lower_envelope([template, best])
+    return out

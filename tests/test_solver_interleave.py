@@ -1,0 +1,74 @@
+"""The solver's interleaved templates (solver/interleave.py) against the cost model's estimate of the
+plans they become, and what choosing chunks buys."""
+
+import pytest
+
+import solver
+import solver.placement
+from costmodel import PRESETS, ClusterSpec
+from costmodel.estimate import CostModel
+from costmodel.schedule import interleaved_time_s
+from profiler.analytic import analytic_profile
+from solver.core import tp_degrees
+from solver.interleave import chunk_ranges, interleaved
+from solver.stages import stage_table
+from solver.templates import Template
+
+
+@pytest.fixture(scope="module")
+def p7():
+    return analytic_profile(
+        PRESETS["llama2-7b"],
+        device_kind="H100-80GB",
+        micro_batch_sizes=[1],
+        tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )
+
+
+def test_chunks_deal_each_stage_its_layer_count():
+    stages = ((0, 5, 2), (5, 12, 1), (12, 14, 4))
+    chunks = chunk_ranges(stages, 2)
+    # stage 0's 5 layers as 3 + 2, stage 1's 7 as 4 + 3, stage 2's 2 as 1 + 1; virtual pipeline 0
+    # first (embedding first), then virtual pipeline 1 (head last)
+    assert chunks == [((0, 3), (8, 10)), ((3, 7), (10, 13)), ((7, 8), (13, 14))]
+
+
+def test_variant_is_priced_like_the_plan_it_becomes(p7):
+    """An interleaved template's line A + (m - 1) M is the estimate's pipeline time of its plan."""
+    cluster = ClusterSpec.parse("8", p7.device_kind)
+    cm = CostModel(p7, cluster)
+    tables = {t: stage_table(cm, t, 1) for t in tp_degrees(p7, cluster)}
+    L = p7.model.num_layers
+    base = Template(
+        stages=((0, 12, 2), (12, 23, 2), (23, 34, 4)),
+        runs=(0, 0, 0),
+        pipeline_s=0,
+        bottleneck_s=0,
+        max_params=0,
+        optimizer_s=0,
+    )
+    for v in (2, 3, 4):
+        variant = interleaved(base, tables, v)
+        assert variant is not None and variant.chunks == v
+        plan = solver.placement.place(cm, cluster, 8, 1, [(variant, 8)], [(8, (8,))])
+        assert plan.pipelines[0].num_chunks == v and plan.pipelines[0].stages[-1].chunks[-1][1] == L
+        estimate = cm.estimate(plan)
+        assert variant.time_s(8) == pytest.approx(estimate.pipeline_times_s[0], rel=1e-9)
+        fwd = [s.cost.fwd_s for s in estimate.stages]
+        bwd = [s.cost.bwd_s for s in estimate.stages]
+        p2p = [s.p2p_s for s in estimate.stages[:-1]]
+        wrap = cm.p2p_s(estimate.stages[-1].cost, False)
+        assert estimate.pipeline_times_s[0] == pytest.approx(interleaved_time_s(fwd, bwd, [*p2p, wrap], 8, v))
+
+
+def test_choosing_chunks_is_never_slower_and_cuts_the_bubble(p7):
+    cluster = ClusterSpec.parse("8,8", p7.device_kind)
+    cm = CostModel(p7, cluster)
+    plain = solver.solve(p7, cluster, 32)
+    chunked = solver.solve(p7, cluster, 32, interleave=True)
+    estimate = cm.estimate(chunked.validate(cluster))
+    assert estimate.fits and chunked.predicted["step_time_s"] == estimate.step_time_s
+    assert chunked.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-12)
+    assert max(p.num_chunks for p in chunked.pipelines) > 1
+    assert chunked.predicted["step_time_s"] < plain.predicted["step_time_s"]
