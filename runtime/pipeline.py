@@ -72,7 +72,10 @@ def _links(
     return forward, backward
 
 
-class PipelineSchedule:
+class _Schedule:
+    """What both schedules know of their rank: its stage, its TP rank there, the model, and how
+    large a boundary piece is."""
+
     def __init__(
         self,
         plan: Plan,
@@ -83,25 +86,32 @@ class PipelineSchedule:
         global_tokens: int,
         dtype: torch.dtype = torch.float32,
     ):
-        rank_of = {d: i for i, d in enumerate(plan.devices)}
-        pi, si = plan.placement(device)
-        stages = plan.pipelines[pi].stages
-        me = stages[si].devices.index(device)
-        self.num_stages, self.stage_index = len(stages), si
-        self.model, self.device, self.global_tokens = model, torch_device, global_tokens
-        self.dtype = dtype
+        self.rank_of = {d: i for i, d in enumerate(plan.devices)}
+        pi, self.stage_index = plan.placement(device)
+        self.pipe = plan.pipelines[pi]
+        self.num_stages = len(self.pipe.stages)
+        self.tp_rank = self.pipe.stages[self.stage_index].devices.index(device)
+        self.model, self.device, self.global_tokens, self.dtype = model, torch_device, global_tokens, dtype
+        self.seq_len = plan.seq_len
         self.batch_hidden = (plan.micro_batch_size, plan.model.hidden_size)
+        self.bytes_sent = self.messages_sent = 0  # point-to-point payload and messages this rank sent
+
+    def _links(self, front: int, back: int) -> tuple[list, list]:
+        """This rank's links across the boundary from stage `front` to stage `back` (`_links`)."""
+        stages, mine = self.pipe.stages, self.stage_index
+        return _links(stages[front], stages[back], self.tp_rank, self.seq_len, self.rank_of, front == mine)
+
+
+class PipelineSchedule(_Schedule):
+    def __init__(self, plan: Plan, device: str, model: StageModule, **kwargs):
+        super().__init__(plan, device, model, **kwargs)
+        si, stages = self.stage_index, self.pipe.stages
         no_links: tuple[list, list] = ([], [])
-        before = _links(stages[si - 1], stages[si], me, plan.seq_len, rank_of, False) if si > 0 else None
-        after = (
-            _links(stages[si], stages[si + 1], me, plan.seq_len, rank_of, True)
-            if si + 1 < len(stages)
-            else None
-        )
+        before = self._links(si - 1, si) if si > 0 else None
+        after = self._links(si, si + 1) if si + 1 < len(stages) else None
         # (sends, receives) of activations forward and of their gradients backward.
         (_, self.recv_fwd), (self.send_bwd, _) = before or (no_links, no_links)
         (self.send_fwd, _), (_, self.recv_bwd) = after or (no_links, no_links)
-        self.bytes_sent = self.messages_sent = 0  # point-to-point payload and messages this rank sent
 
     # ---- point-to-point ------------------------------------------------------------------------
     def _exchange(self, send: torch.Tensor | None, to: list, receive: list) -> torch.Tensor | None:
@@ -192,7 +202,7 @@ class PipelineSchedule:
         return loss
 
 
-class InterleavedSchedule:
+class InterleavedSchedule(_Schedule):
     """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2) for stages of any TP degree: each stage
     runs `costmodel.schedule.program`'s order of chunk-forwards and chunk-backwards.
 
@@ -212,36 +222,16 @@ class InterleavedSchedule:
     degree for the whole pipeline (see the module docstring).
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        device: str,
-        model: StageModule,
-        *,
-        torch_device: torch.device,
-        global_tokens: int,
-        dtype: torch.dtype = torch.float32,
-    ):
-        rank_of = {d: i for i, d in enumerate(plan.devices)}
-        pi, si = plan.placement(device)
-        pipe = plan.pipelines[pi]
-        stages = pipe.stages
-        S, v, m = len(stages), pipe.num_chunks, pipe.num_microbatches
-        me = stages[si].devices.index(device)
-        self.num_stages, self.num_chunks, self.stage_index = S, v, si
-        self.model, self.device, self.global_tokens, self.dtype = model, torch_device, global_tokens, dtype
-        self.batch_hidden = (plan.micro_batch_size, plan.model.hidden_size)
+    def __init__(self, plan: Plan, device: str, model: StageModule, **kwargs):
+        super().__init__(plan, device, model, **kwargs)
+        S, v, m, si = self.num_stages, self.pipe.num_chunks, self.pipe.num_microbatches, self.stage_index
+        self.num_chunks = v
         self.program = schedule.program(si, S, v, m)
         previous, following = (si - 1) % S, (si + 1) % S
-        (_, self.recv_fwd), (self.send_bwd, _) = _links(
-            stages[previous], stages[si], me, plan.seq_len, rank_of, False
-        )
-        (self.send_fwd, _), (_, self.recv_bwd) = _links(
-            stages[si], stages[following], me, plan.seq_len, rank_of, True
-        )
+        (_, self.recv_fwd), (self.send_bwd, _) = self._links(previous, si)
+        (self.send_fwd, _), (_, self.recv_bwd) = self._links(si, following)
         # what each neighbouring stage sends this one, in its order (one list when both are one stage)
         self.incoming = {src: schedule.sends(src, si, S, v, m) for src in {previous, following}}
-        self.bytes_sent = self.messages_sent = 0
 
     # ---- point-to-point ------------------------------------------------------------------------
     def _post_receive(self, kind: str) -> tuple[list, list]:

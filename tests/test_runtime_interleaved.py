@@ -11,7 +11,7 @@ one chunk of a stage but not the other.
 
 import pytest
 from dist_helpers import plan_json, run_worker
-from test_runtime_parity import STEPS, TIED, check_parity
+from test_runtime_parity import STEPS, TIED, check_parity, check_resume
 from test_runtime_precision import BF16, SP, _with, check_bf16_parity
 
 from costmodel import ModelConfig, Plan
@@ -118,10 +118,4 @@ def test_state_resumes_across_schedules(direction, tmp_path):
     interleaved = PLANS["tp3-tp2-v2-vs-dp"]
     plain = plan_json(DEEP, [(4, [((0, 4), _n(0, 0, 1)), ((4, 10), _n(0, 2))]), (4, [((0, 10), _n(1, 0))])])
     a, b = (interleaved, plain) if direction == "interleaved-to-1f1b" else (plain, interleaved)
-    saved = run_worker(a, tmp_path / "a", steps=4, extra=("--save-at", "4"))
-    assert saved.returncode == 0, saved.stderr[-4000:]
-    resumed = run_worker(
-        b, tmp_path / "b", steps=STEPS, extra=("--resume-from", str(tmp_path / "a" / "state"))
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    check_parity(b, tmp_path / "b", first_step=4)
+    check_resume(a, b, tmp_path)

@@ -116,17 +116,16 @@ def test_state_saved_under_one_plan_resumes_under_another(tmp_path):
     """The checkpoint contract of runtime/state.py: pieces saved under plan A after step 4 (two
     pipelines, TP 2 and 1), assembled to full tensors and cut to plan B's boxes (TP 3 feeding TP 2,
     beside a replica), continue to the same losses and weights as one uninterrupted process."""
-    a, b = PLANS["hetero-5-3"], PLANS["tp3-tp2-vs-dp"]
-    saved = run_worker(a, tmp_path / "a", steps=4, extra=("--save-at", "4"))
+    check_resume(PLANS["hetero-5-3"], PLANS["tp3-tp2-vs-dp"], tmp_path)
+
+
+def check_resume(a: dict, b: dict, tmp_path, at: int = 4) -> None:
+    """Plan `a` trains `at` steps and saves its pieces; plan `b` resumes from them and trains to
+    STEPS: its losses and final weights must be the single-process run's."""
+    saved = run_worker(a, tmp_path / "a", steps=at, extra=("--save-at", str(at)))
     assert saved.returncode == 0, saved.stderr[-4000:]
     resumed = run_worker(
         b, tmp_path / "b", steps=STEPS, extra=("--resume-from", str(tmp_path / "a" / "state"))
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    ref_losses, ref_params = reference(json.dumps(b["model"]), b["global_batch_size"], b["seq_len"])
-    losses = json.loads((tmp_path / "b" / "losses.json").read_text())
-    for got, want in zip(losses, ref_losses[4:], strict=True):
-        assert abs(got - want) <= LOSS_RTOL * abs(want)
-    params = assemble(tmp_path / "b")
-    for name, want in ref_params.items():
-        torch.testing.assert_close(params[name], want, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+    check_parity(b, tmp_path / "b", first_step=at)

@@ -15,7 +15,7 @@ import json
 
 import pytest
 from dist_helpers import plan_json, run_worker
-from test_runtime_parity import PLANS, STEPS, TINY, check_parity
+from test_runtime_parity import PLANS, STEPS, TINY, check_parity, check_resume
 from test_runtime_precision import BF16, SP_PLANS, _with, check_bf16_parity
 
 ZERO = {"optimizer": {"sharding": "zero1", "bucket_bytes": 8192}}
@@ -61,13 +61,7 @@ def test_state_resumes_across_sharding(direction, tmp_path):
         a = _with(a, {}, **ZERO)
     else:
         b = _with(b, {}, **ZERO)
-    saved = run_worker(a, tmp_path / "a", steps=4, extra=("--save-at", "4"))
-    assert saved.returncode == 0, saved.stderr[-4000:]
-    resumed = run_worker(
-        b, tmp_path / "b", steps=STEPS, extra=("--resume-from", str(tmp_path / "a" / "state"))
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    check_parity(b, tmp_path / "b", first_step=4)
+    check_resume(a, b, tmp_path)
 
 
 def _memory(out) -> dict:
