@@ -54,6 +54,12 @@ def main() -> None:
     parser.add_argument("--days", type=float, default=30.0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "goodput.json"))
+    parser.add_argument(
+        "--chunks",
+        choices=("1", "auto"),
+        default="1",
+        help="passed to elastor simulate (default: %(default)s)",
+    )
     args = parser.parse_args()
 
     results = {"cpus": os.cpu_count(), "days": args.days, "runs": args.runs, "sizes": []}
@@ -80,7 +86,7 @@ def main() -> None:
             shown = [
                 "simulate", "--profile", "p70.json", "--cluster", f"{nodes}x8",
                 "--global-batch-size", str(SEQUENCES_PER_2048_GPUS * gpus // 2048),
-                "--days", f"{args.days:g}", "--runs", str(args.runs),
+                "--days", f"{args.days:g}", "--runs", str(args.runs), "--chunks", args.chunks,
             ]  # fmt: skip
             extra = ["--plan-cache", str(cache), "--out-dir", str(out_dir), "--quiet"]
             command = [profile if a == "p70.json" else a for a in shown] + extra

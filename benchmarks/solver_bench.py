@@ -1,6 +1,6 @@
 """Solver benchmark: solve times against the issue's targets, and plan quality against the baselines.
 
-    python benchmarks/solver_bench.py [--out benchmarks/results/solver_bench.json] [--seed 0]
+    python benchmarks/solver_bench.py [--out benchmarks/results/solver_bench.json] [--seed 0] [--chunks auto]
 
 Profiles are analytic (H100-80GB, bfloat16, sequence length 4096, micro-batch sizes 1 and 2, TP degrees
 1, 2, 4, 8); failed GPUs are drawn at random with --seed. Times are wall-clock seconds of
@@ -47,11 +47,14 @@ def with_failures(nodes: int, failures: int, seed: int) -> ClusterSpec:
     return cluster.without(set(random.Random(seed).sample(cluster.devices, failures)))
 
 
+INTERLEAVE = False  # --chunks auto: Elastor's search may choose interleaved 1F1B
+
+
 def timed_solve(prof, cluster: ClusterSpec, gbs: int, method: str = "elastor"):
     """(plan or None, wall s, CPU s, error sentence)."""
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        plan, error = solver.solve(prof, cluster, gbs, method=method), ""
+        plan, error = solver.solve(prof, cluster, gbs, method=method, interleave=INTERLEAVE), ""
     except ElastorError as e:
         plan, error = None, str(e)
     return plan, time.perf_counter() - wall, time.process_time() - cpu, error
@@ -98,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random failures (default: %(default)s)")
+    parser.add_argument(
+        "--chunks", choices=("1", "auto"), default="1", help="as elastor plan --chunks (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
+    global INTERLEAVE
+    INTERLEAVE = args.chunks == "auto"
     p7, p70 = profile("llama2-7b"), profile("llama2-70b")
 
     cases = [
@@ -108,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     started, cpu = time.perf_counter(), time.process_time()
-    sweep = whatif.sweep(p7, ClusterSpec.parse("8,8,8,8", KIND), 128, list(range(17)), placement="worst")
+    sweep = whatif.sweep(
+        p7, ClusterSpec.parse("8,8,8,8", KIND), 128, list(range(17)), placement="worst", interleave=INTERLEAVE
+    )
     sweep_wall, sweep_cpu = time.perf_counter() - started, time.process_time() - cpu
     elastor = sweep[sweep.method == "elastor"].set_index("failures").samples_per_s
     below_in_sweep = [
@@ -157,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": sys.version.split()[0],
         },
         "seed": args.seed,
+        "chunks": args.chunks,
         "cases": cases,
         "whatif": {
             "model": "llama2-7b",

@@ -38,18 +38,22 @@ def build_study(
     plan_cache: str | None = None,
     solver_time_limit_s: float | None = None,
     slices: int = 1,
+    interleave: bool = False,
 ) -> Study:
     """A study on the real solver; costs: the defaults for the model and its healthy plan, then the file.
 
     `plan_cache` names a JSON file that keeps solved plans between runs (see `CachedOracle`);
-    `slices` > 1 plans the cluster as that many slices (an approximation, see `goodput.slices`).
+    `slices` > 1 plans the cluster as that many slices (an approximation, see `goodput.slices`);
+    `interleave` lets the solver choose interleaved 1F1B.
     """
     gpus_per_node = [len(n.gpus) for n in cluster.nodes]
     if slices > 1 and (len(set(gpus_per_node)) != 1 or global_batch_size % slices):
         raise ElastorError(
             f"--slices {slices} needs nodes with equal GPU counts and a global batch it divides."
         )
-    planner = SolverOracle(profile, cluster, global_batch_size // slices, time_limit_s=solver_time_limit_s)
+    planner = SolverOracle(
+        profile, cluster, global_batch_size // slices, time_limit_s=solver_time_limit_s, interleave=interleave
+    )
     solver_cache = CachedOracle(planner, path=plan_cache, context=planner.fingerprint())
     oracle = solver_cache
     if slices > 1:

@@ -159,12 +159,14 @@ class SolverOracle:
         global_batch_size: int,
         method: str = "elastor",
         time_limit_s: float | None = None,
+        interleave: bool = False,
     ):
         self.profile = profile
         self.template = cluster
         self.global_batch_size = global_batch_size
         self.method = method
         self.time_limit_s = time_limit_s
+        self.interleave = interleave  # also search interleaved 1F1B (`solver.solve`)
 
     def fingerprint(self) -> str:
         """What the answers depend on besides the signature, hashed (the plan cache's context)."""
@@ -177,6 +179,8 @@ class SolverOracle:
             "method": self.method,
             "time_limit_s": self.time_limit_s,
         }
+        if self.interleave:  # absent otherwise, so caches written before the option stay valid
+            inputs["interleave"] = True
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
     def cluster_for(self, sig: Signature) -> ClusterSpec:
@@ -190,7 +194,12 @@ class SolverOracle:
         limit = {} if self.time_limit_s is None else {"time_limit_s": self.time_limit_s}
         try:
             plan = solver.solve(
-                self.profile, self.cluster_for(sig), self.global_batch_size, method=self.method, **limit
+                self.profile,
+                self.cluster_for(sig),
+                self.global_batch_size,
+                method=self.method,
+                interleave=self.interleave,
+                **limit,
             )
         except ElastorError:
             return None

@@ -65,9 +65,11 @@ def sweep(
     seed: int = 0,
     time_limit_s: float = solver.DEFAULT_TIME_LIMIT_S,
     progress: Callable | None = None,
+    interleave: bool = False,
 ) -> pd.DataFrame:
     """One row per (failures, method): healthy GPUs, predicted throughput (NaN: no plan), the plan's
-    shape and the solver's status and time. `progress` wraps the iterable of cases (e.g. tqdm)."""
+    shape and the solver's status and time. `progress` wraps the iterable of cases (e.g. tqdm);
+    `interleave` lets Elastor's search choose interleaved 1F1B (`solver.solve`)."""
     order = failure_order(cluster, placement, seed)
     if max(failures) >= len(order):
         raise ElastorError(
@@ -79,7 +81,14 @@ def sweep(
         healthy = cluster.without(set(order[:f]))
         started = time.perf_counter()
         try:
-            plan = solver.solve(profile, healthy, global_batch_size, method=method, time_limit_s=time_limit_s)
+            plan = solver.solve(
+                profile,
+                healthy,
+                global_batch_size,
+                method=method,
+                time_limit_s=time_limit_s,
+                interleave=interleave,
+            )
             info, predicted = plan.solver or {}, plan.predicted or {}
             row = {
                 "samples_per_s": predicted["samples_per_s"],

@@ -29,7 +29,9 @@ PAIRS = 60
 KINDS_FP32 = {"": 4, "optim.exp_avg.": 4, "optim.exp_avg_sq.": 4}
 
 
-@pytest.mark.parametrize("chunk", [0, pytest.param(1, marks=pytest.mark.slow), 2])  # 1: small chunks, slow
+@pytest.mark.parametrize(
+    "chunk", [0, *(pytest.param(c, marks=pytest.mark.slow) for c in (1, 2))]
+)  # 1, 2: slow
 def test_random_plan_pairs_reshard_bit_identically(tmp_path, chunk):
     """PAIRS random (A, B) pairs in three groups, each with different chunk and piece sizes."""
     rng = random.Random(1000 + chunk)

@@ -145,6 +145,7 @@ def test_failure_and_recovery_match_an_uninterrupted_run(tmp_path, profile_path)
     _assert_matches_reference(tmp_path, records, steps)
 
 
+@pytest.mark.slow  # -m slow: make test's time budget
 def test_a_second_failure_during_recovery_and_a_node_losing_every_gpu(tmp_path, profile_path):
     """n1:0 is node n1's only GPU; then n0:1 dies as soon as the survivors have restored."""
     steps = 12
@@ -176,6 +177,7 @@ def test_a_second_failure_during_recovery_and_a_node_losing_every_gpu(tmp_path, 
     _assert_matches_reference(tmp_path, records, steps)
 
 
+@pytest.mark.slow  # -m slow: make test's time budget
 def test_too_little_memory_left_stops_with_one_sentence_and_keeps_the_checkpoint(tmp_path, profile_path):
     profile = ModelProfile.from_json(read_json(profile_path, "profile"))
     memory = _memory_for_four_gpus_but_not_three(profile)

@@ -14,8 +14,8 @@ from elastor.cli import main
 from profiler.analytic import analytic_profile
 
 
-def fake_solve(profile, cluster, global_batch_size, method="elastor"):
-    """A solver double: every healthy GPU in one plan, 10 samples/s each."""
+def fake_solve(profile, cluster, global_batch_size, method="elastor", interleave=False):
+    """A solver double: every healthy GPU in one plan, 10 samples/s each (interleaved or not)."""
     return SimpleNamespace(
         devices=cluster.devices,
         pipelines=[None],

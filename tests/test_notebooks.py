@@ -24,7 +24,14 @@ def test_notebook_is_stored_without_outputs(notebook):
 EXECUTED = [n for n in NOTEBOOKS if not covered_elsewhere(n)]
 
 
-@pytest.mark.parametrize("notebook", EXECUTED, ids=lambda n: n.stem)
+SLOW = ("whatif",)  # a minute of solver sweeps even at its quick size: -m slow (make test's time budget)
+
+
+@pytest.mark.parametrize(
+    "notebook",
+    [pytest.param(n, marks=pytest.mark.slow) if n.stem in SLOW else n for n in EXECUTED],
+    ids=lambda n: n.stem,
+)
 def test_notebook_executes(notebook, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -29,7 +29,7 @@ STEPS, MICRO_BATCHES, MBS, SEQ = 2, 3, 2, 32
 HEADER_BYTES = 256
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_boundaries_send_only_the_needed_tokens(dtype, tmp_path):
     plan = plan_json(
         EIGHT_HEADS,

@@ -83,7 +83,7 @@ PLANS["sp-v2"] = _with(
     ),
     {(0, 0): SP, (0, 1): SP},
 )
-FAST = ("s2-v2", "tp3-tp2-v2-vs-dp", "recompute-one-chunk")  # the rest run with -m slow
+FAST = ("tp3-tp2-v2-vs-dp", "recompute-one-chunk")  # the rest run with -m slow
 
 
 def test_plans_are_valid_and_interleaved():

@@ -69,7 +69,9 @@ SP_PLANS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SP_PLANS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "sp-chain" else n for n in SP_PLANS]
+)
 def test_sequence_parallel_and_recompute_match_single_process(name, tmp_path):
     plan = SP_PLANS[name]
     result = run_worker(plan, tmp_path, steps=STEPS)
@@ -77,6 +79,7 @@ def test_sequence_parallel_and_recompute_match_single_process(name, tmp_path):
     check_parity(plan, tmp_path)
 
 
+@pytest.mark.slow  # -m slow: make test's time budget
 def test_recompute_is_bit_identical_to_none(tmp_path):
     plain = PLANS["hetero-5-3"]
     recomputed = _with(plain, {(0, 0): {"recompute": "full"}, (0, 1): {"recompute": "selective"},
@@ -139,9 +142,9 @@ def _bf16_reference(model_json: str, global_batch_size: int, seq_len: int, steps
     return losses, params, BF16_SPREAD_FACTOR * loss_spread, BF16_SPREAD_FACTOR * param_spread
 
 
-# Three of the six run in the default suite (one of them the sequence-parallel chain); the other
-# three with `-m slow`, to keep `make test` within its time budget.
-SLOW_BF16 = ("three-stages", "hetero-5-3", "tied-gqa-uneven")
+# Two of the six run in the default suite; the other four with `-m slow`, to keep `make test`
+# within its time budget.
+SLOW_BF16 = ("three-stages", "hetero-5-3", "tied-gqa-uneven", "sp-chain")
 
 
 @pytest.mark.parametrize(

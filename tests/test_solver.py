@@ -208,7 +208,7 @@ def test_skeleton_split_is_priced_like_the_cost_model(p70):
 
 
 # ---- large instances: valid, priced, never below a baseline ---------------------------------------
-@pytest.mark.parametrize("counts", ["8,7", "8,8,8,7", "7,7,6"])
+@pytest.mark.parametrize("counts", ["8,7", "8,8,8,7", pytest.param("7,7,6", marks=pytest.mark.slow)])
 def test_llama2_7b_plans_beat_every_baseline(p7, counts):
     cluster = ClusterSpec.parse(counts, p7.device_kind)
     cm = CostModel(p7, cluster)
@@ -233,6 +233,7 @@ def test_llama2_70b_on_eight_nodes_with_three_failures(p70):
     assert plan.predicted["samples_per_s"] >= pow2.predicted["samples_per_s"]
 
 
+@pytest.mark.slow  # -m slow: make test's time budget
 def test_a_partial_node_never_makes_elastor_slower_than_dropping_it():
     """The skeleton family is not closed under adding GPUs: on 63 full nodes and one of 7 it once
     missed the plan it finds on the 63 full nodes (59.7 against 60.9 samples/s)."""

@@ -76,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--solver-time-limit", type=float, help="seconds per solver call (default: the solver's)")
     p.add_argument(
+        "--chunks",
+        choices=("1", "auto"),
+        default="1",
+        help="layer chunks per stage in the plans: 1 (1F1B; default) or auto (as elastor plan --chunks)",
+    )
+    p.add_argument(
         "--slices",
         default="auto",
         help="plan the cluster as this many equal slices, each with its share of the batch, and add "
@@ -190,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         plan_cache=args.plan_cache,
         solver_time_limit_s=args.solver_time_limit,
+        interleave=args.chunks == "auto",
         slices=slices,
     )
     young, daly = study.young_daly()
