@@ -24,6 +24,7 @@ Cost: the replay with per-chunk times is the reference; `interleaved_time_s` is 
 cost model and the solver use, tested against the replay in tests/test_interleaved_schedule.py.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,7 @@ def peak_live(stage: int, num_stages: int, num_chunks: int, m: int, weights: Seq
     return peak
 
 
+@functools.lru_cache(maxsize=1 << 14)  # the solver asks for the same few shapes many times
 def peak_in_flight(stage: int, num_stages: int, num_chunks: int, m: int) -> int:
     """Chunk activations alive at once on `stage` at its peak."""
     return round(peak_live(stage, num_stages, num_chunks, m, [1.0] * num_chunks))

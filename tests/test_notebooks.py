@@ -24,7 +24,7 @@ def test_notebook_is_stored_without_outputs(notebook):
 EXECUTED = [n for n in NOTEBOOKS if not covered_elsewhere(n)]
 
 
-SLOW = ("whatif",)  # a minute of solver sweeps even at its quick size: -m slow (make test's time budget)
+SLOW = ("whatif", "goodput")  # a minute or more each at their quick size: -m slow (make test's budget)
 
 
 @pytest.mark.parametrize(

@@ -63,10 +63,10 @@ def test_variant_is_priced_like_the_plan_it_becomes(p7):
 
 
 def test_choosing_chunks_is_never_slower_and_cuts_the_bubble(p7):
-    cluster = ClusterSpec.parse("8,8", p7.device_kind)
+    cluster = ClusterSpec.parse("4,4", p7.device_kind)
     cm = CostModel(p7, cluster)
-    plain = solver.solve(p7, cluster, 32)
-    chunked = solver.solve(p7, cluster, 32, interleave=True)
+    plain = solver.solve(p7, cluster, 16)
+    chunked = solver.solve(p7, cluster, 16, interleave=True)
     estimate = cm.estimate(chunked.validate(cluster))
     assert estimate.fits and chunked.predicted["step_time_s"] == estimate.step_time_s
     assert chunked.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-12)
