@@ -259,6 +259,7 @@ class StagePrediction:
     memory: dict[str, int]
     sync_hidden_s: float = 0.0  # the reduction that overlaps backward
     optimizer_s: float = 0.0  # AdamW over the state this stage's device keeps
+    chunks: tuple[tuple[int, int], ...] = ()  # the stage's layer chunks (the cost's range if empty)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -333,7 +334,7 @@ class Estimate:
                 (
                     s.pipeline,
                     s.stage,
-                    f"[{c.start},{c.end})",
+                    ",".join(f"[{a},{b})" for a, b in (s.chunks or ((c.start, c.end),))),
                     c.tp,
                     "yes" if c.sequence_parallel else "",
                     c.recompute if c.recompute != "none" else "",
@@ -634,6 +635,7 @@ class CostModel:
                         sync_hidden_s=sync.hidden_s(hide),
                         optimizer_s=cost.optimizer_s * min(1.0, kept),
                         memory=cost.memory_bytes(stage_in_flight(self, st, si, pipe, mbs), state),
+                        chunks=st.chunks,
                     )
                 )
         pipeline_times = [t for _, _, t, _, _ in priced]
@@ -692,6 +694,7 @@ def combine_chunks(chunks: list[StageCost]) -> StageCost:
         input_bytes=max(c.input_bytes for c in chunks),
         optimizer_s=sum(c.optimizer_s for c in chunks),
         param_tensors=sum(c.param_tensors for c in chunks),
+        recompute=",".join(dict.fromkeys(c.recompute for c in chunks)),  # shown per stage
     )
 
 
