@@ -7,18 +7,19 @@ virtual stage k·S + s is chunk k of stage s, so micro-batch i's forward runs ch
 then chunk 1 on stages 0..S-1 (stage S-1 sends chunk 0's output to stage 0), and so on; backward in
 reverse. Each stage runs its chunk-forwards in the order of Megatron-LM's interleaved schedule
 (Narayanan et al. 2021, section 2.2.2): micro-batches in groups of S, for each group chunk 0 of every
-micro-batch of the group, then chunk 1, ...; the last group may be smaller, which is how micro-batch
-counts that S does not divide are handled (as Megatron-core's schedule table does). Backwards follow
-the same table with the chunks reversed. Stage s first runs
+micro-batch of the group, then chunk 1, ... Micro-batch counts that S does not divide are handled
+as Megatron-core's schedule table handles them, by groups of another size, here with the remainder
+of m / S joined to the first group (and one group of all m when m < 2S; `groups` says why).
+Backwards follow the same table with the chunks reversed. Stage s first runs
 
-    warmup_s = min((S - s - 1) + (v - 1)·S, m·v)
+    warmup_s = min((S - s - 1) + (v - 1)·g, m·v),   g the first group's size (S when S divides m)
 
 chunk-forwards, then alternates one forward and one backward, then drains the remaining backwards.
 At v = 1 this is today's 1F1B (S - s - 1 warm-up forwards). Megatron warms up with 2(S - s - 1) +
 (v - 1)·S because its exchanges are blocking and paired step by step; here a stage sends as soon as a
 chunk is done and waits only for the input it needs next (`runtime.pipeline`), so the shorter
-warm-up suffices and keeps S - s fewer chunk activations alive (`replay` checks that no order of
-arrivals can deadlock: it would stop with work left).
+warm-up suffices and keeps S - s - 1 fewer chunk activations alive (`replay` checks that no order of
+arrivals can deadlock and that no backward comes before its forward: it stops with work left).
 
 Cost: the replay with per-chunk times is the reference; `interleaved_time_s` is the closed form the
 cost model and the solver use, tested against the replay in tests/test_interleaved_schedule.py.
