@@ -94,11 +94,6 @@ class Stage:
         if isinstance(self.recompute, tuple) and len(set(self.recompute)) == 1:
             object.__setattr__(self, "recompute", self.recompute[0])
 
-    @classmethod
-    def of(cls, start: int, end: int, devices, **fields) -> "Stage":
-        """A stage of one chunk, layers [start, end)."""
-        return cls(chunks=((start, end),), devices=tuple(devices), **fields)
-
     @property
     def tp_degree(self) -> int:
         return len(self.devices)
