@@ -74,7 +74,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from costmodel import analytic, schedule
+from costmodel import analytic, flops, schedule
 from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s, reduce_scatter_s
 from costmodel.errors import ElastorError
@@ -276,10 +276,25 @@ class Estimate:
     stages: tuple[StagePrediction, ...]
     memory_capacity_bytes: int
     usable_memory_bytes: int
+    # For MFU (costmodel.flops): the model's FLOPs per step, the GPUs the plan runs on, and the
+    # device kind's peak (None for the cpu kind, whose peak is a placeholder).
+    model_flops_per_step: float = 0.0
+    gpus: int = 1
+    peak_flops: float | None = None
 
     @property
     def samples_per_s(self) -> float:
         return self.global_batch_size / self.step_time_s
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        """Model FLOP/s per GPU the plan runs on, in TFLOP/s."""
+        return self.model_flops_per_step / self.step_time_s / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation (costmodel.flops), None where the device kind has no real peak."""
+        return None if self.peak_flops is None else self.model_tflops_per_gpu * 1e12 / self.peak_flops
 
     @property
     def peak_memory_bytes(self) -> dict[str, int]:
@@ -300,7 +315,13 @@ class Estimate:
             "optimizer_s": self.optimizer_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "usable_memory_bytes": self.usable_memory_bytes,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
         }
+
+    @property
+    def mfu_text(self) -> str:
+        return "n/a (the cpu kind has no peak)" if self.mfu is None else f"{self.mfu:.1%}"
 
     def explain(self) -> str:
         """Per-stage breakdown of every term of the prediction."""
@@ -360,7 +381,8 @@ class Estimate:
                 f"pipeline times (ms): {pipes}",
                 f"step {self.step_time_s * 1e3:.1f} ms = slowest pipeline "
                 f"{max(self.pipeline_times_s) * 1e3:.1f} + exposed gradient sync {self.sync_s * 1e3:.1f} "
-                f"+ optimizer {self.optimizer_s * 1e3:.1f}; {self.samples_per_s:.2f} samples/s",
+                f"+ optimizer {self.optimizer_s * 1e3:.1f}; {self.samples_per_s:.2f} samples/s, "
+                f"{self.model_tflops_per_gpu:.3g} model TFLOP/s per GPU, MFU {self.mfu_text}",
             ]
         )
 
@@ -650,6 +672,11 @@ class CostModel:
             stages=tuple(stages),
             memory_capacity_bytes=self.cluster.device.memory_bytes,
             usable_memory_bytes=self.usable_memory_bytes,
+            model_flops_per_step=flops.model_flops_per_token(self.model, plan.seq_len)
+            * plan.seq_len
+            * plan.global_batch_size,
+            gpus=plan.world_size,
+            peak_flops=None if self.cluster.device.kind == "cpu" else self.cluster.device.peak_flops,
         )
 
 

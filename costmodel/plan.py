@@ -10,6 +10,7 @@ on a node the plan's devices by ascending GPU id, so local rank i is the i-th de
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from costmodel.cluster import ClusterSpec, parse_device
@@ -227,11 +228,16 @@ class Plan:
 
     def placement(self, device: str) -> tuple[int, int]:
         """(pipeline index, stage index) of `device`."""
+        return self._placements[device]
+
+    @cached_property
+    def _placements(self) -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
         for pi, pipe in enumerate(self.pipelines):
             for si, stage in enumerate(pipe.stages):
-                if device in stage.devices:
-                    return pi, si
-        raise KeyError(device)
+                for device in stage.devices:
+                    found.setdefault(device, (pi, si))
+        return found
 
     # ---- validation -----------------------------------------------------------------------------
     def violations(self, cluster: ClusterSpec | None = None) -> list[str]:

@@ -28,6 +28,7 @@ on them in the same relative order (no cross-group deadlock, whatever the layout
 the runtime, the checkpoint and the cost model read the same slices.
 """
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -115,7 +116,7 @@ class Bucket:
     def rows(self) -> list[Rows]:
         return [r for region in self.regions for r in region]
 
-    @property
+    @cached_property
     def payload_numel(self) -> int:
         """Elements of the parameters in the bucket, padding excluded."""
         return sum(r.numel for region in self.regions for r in region)
@@ -135,8 +136,9 @@ class Bucket:
         return [self.region_of(device)] if self.sharded else list(range(len(self.regions)))
 
     def kept_numel(self, device: str) -> int:
-        """Elements of `device`'s master buffer for this bucket (a sharded region's padding included)."""
-        return sum(b - a for a, b in map(self.span, self.kept(device)))
+        """Elements of `device`'s master buffer for this bucket (a sharded region's padding included):
+        one padded region if sharded, else every region, which lie one after the other."""
+        return self.region_numel if self.sharded else self.payload_numel
 
     def counts_norm(self, device: str) -> bool:
         """Whether `device` adds its region to the global norm (a local bucket: its first holder)."""
@@ -200,34 +202,44 @@ def _chunks(rows: list[Rows], cap: int) -> list[list[Rows]]:
     return chunks
 
 
+def _cuts(chunk: list[Rows], n: int) -> tuple[list[int], list[int]]:
+    """The element offsets of a chunk's items (and its end), and the n + 1 cuts of `_deal`: cut k at
+    the row boundary nearest to k/n of the chunk's elements."""
+    starts = [0]
+    for r in chunk:
+        starts.append(starts[-1] + r.numel)
+    total = starts[-1]
+    cuts = [0]
+    for k in range(1, n):
+        target = k * total / n
+        i = min(bisect.bisect_left(starts, target, 1) - 1, len(chunk) - 1)  # first item ending at or after it
+        row = chunk[i].row_numel
+        cut = starts[i] + round((target - starts[i]) / row) * row
+        cuts.append(max(cuts[-1], min(cut, total)))
+    cuts.append(total)
+    return starts, cuts
+
+
+def _overlapping(starts: list[int], lo: int, hi: int) -> range:
+    """The items of a chunk (by their element offsets `starts`) that overlap elements [lo, hi)."""
+    if lo >= hi:
+        return range(0)
+    return range(bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi))
+
+
 def _deal(chunk: list[Rows], n: int) -> tuple[tuple[Rows, ...], ...]:
     """Split a chunk's rows into `n` contiguous regions, each cut at the row boundary nearest to
     k/n of the chunk's elements."""
     if n == 1:
         return (tuple(chunk),)
-    total = sum(r.numel for r in chunk)
-    starts = [0]  # element offset of each item in the chunk
-    for r in chunk:
-        starts.append(starts[-1] + r.numel)
-    cuts = [0]
-    for k in range(1, n):
-        target = k * total / n
-        i = (
-            next(j for j in range(len(chunk)) if starts[j + 1] >= target)
-            if target < total
-            else len(chunk) - 1
-        )
-        row = chunk[i].row_numel
-        cut = starts[i] + round((target - starts[i]) / row) * row
-        cuts.append(max(cuts[-1], min(cut, total)))
-    cuts.append(total)
+    starts, cuts = _cuts(chunk, n)
     regions = []
     for lo, hi in pairwise(cuts):
         region = []
-        for r, begin in zip(chunk, starts, strict=False):
+        for j in _overlapping(starts, lo, hi):
+            r, begin = chunk[j], starts[j]
             a, b = max(lo, begin), min(hi, begin + r.numel)
-            if a < b:
-                region.append(r.take((a - begin) // r.row_numel, (b - begin) // r.row_numel))
+            region.append(r.take((a - begin) // r.row_numel, (b - begin) // r.row_numel))
         regions.append(tuple(region))
     return tuple(regions)
 
@@ -244,18 +256,30 @@ class StateBytes:
 
 
 def state_bytes(plan: Plan, dtype_bytes: int) -> dict[str, StateBytes]:
-    """Per device, exactly what its buckets allocate under `plan`."""
+    """Per device, exactly what its buckets (`buckets`) allocate under `plan`. Counted from each
+    bucket's cuts, without building its regions: this prices every plan the solver returns."""
+    cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
+    zero1 = plan.optimizer.sharding == "zero1"
     totals = {d: [0, 0, 0, 0, []] for d in plan.devices}
-    for bucket in buckets(plan):
-        for device in bucket.holders:
-            t = totals[device]
-            kept = bucket.kept_numel(device)
-            t[0] += kept * MAIN_GRAD_BYTES
-            t[1] += bucket.numel * MAIN_GRAD_BYTES
-            t[2] += 2 * kept * MAIN_GRAD_BYTES
-            t[3] += sum(len(bucket.regions[i]) for i in bucket.kept(device)) * MAIN_GRAD_BYTES
-            if bucket.sharded:
-                t[4].append(bucket.numel * dtype_bytes)
+    for holders, (needs_reduction, segs) in holder_sets(plan).items():
+        n = len(holders) if needs_reduction else 1
+        for chunk in _chunks([Rows(spec, box) for spec, box in reversed(segs)], cap):
+            starts, cuts = _cuts(chunk, n)
+            runs = [len(_overlapping(starts, lo, hi)) for lo, hi in pairwise(cuts)]  # per region
+            if zero1 and needs_reduction:  # holder i keeps region i, padded to the largest
+                largest = max(hi - lo for lo, hi in pairwise(cuts))
+                numel, kept, pieces = n * largest, [largest] * n, runs
+            else:  # every holder keeps every region
+                numel = starts[-1]
+                kept, pieces = [numel] * len(holders), [sum(runs)] * len(holders)
+            for i, device in enumerate(holders):
+                t = totals[device]
+                t[0] += kept[i] * MAIN_GRAD_BYTES
+                t[1] += numel * MAIN_GRAD_BYTES
+                t[2] += 2 * kept[i] * MAIN_GRAD_BYTES
+                t[3] += pieces[i] * MAIN_GRAD_BYTES  # one AdamW step count per kept run of rows
+                if zero1 and needs_reduction:
+                    t[4].append(numel * dtype_bytes)
     return {
         d: StateBytes(m, g, o, s, sum(sorted(gathers)[-GATHER_WINDOW:]))
         for d, (m, g, o, s, gathers) in totals.items()

@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from costmodel import ElastorError
-from elastor.commands import ckpt, demo, plan, profile, run, simulate, train, validate, whatif
+from elastor.commands import ckpt, demo, estimate, plan, profile, run, simulate, train, validate, whatif
 
 # Subcommands in the order `elastor --help` lists them; each module has `register(subparsers)`.
-COMMANDS = (profile, validate, plan, whatif, train, run, ckpt, simulate, demo)
+COMMANDS = (profile, validate, plan, estimate, whatif, train, run, ckpt, simulate, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,7 @@ from costmodel.estimate import CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
 from solver import baselines
+from solver.baselines import Grid
 from solver.core import Limits, Outcome, Pass, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
@@ -87,41 +88,59 @@ def solve(
     limits: Limits | None = None,
     sharding: Sequence[str] = ("none",),
     interleave: bool = False,
+    recompute: str | None = None,
+    grid: Grid | None = None,
 ) -> Plan:
     """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists.
     `sharding` lists the optimizer layouts to search; with `interleave`, Elastor's search also offers
-    every pipeline template interleaved (solver.interleave: 2 to 8 layer chunks per stage)."""
+    every pipeline template interleaved (solver.interleave: 2 to 8 layer chunks per stage).
+    `recompute` pins every stage's recomputation mode (else each pass's answer gives back what its
+    stages do not need), and `grid` pins the TP, PP and chunks of the uniform method's grid."""
     started = time.perf_counter()
     if method not in METHODS:
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
     if global_batch_size < 1:
         raise ElastorError(f"The global batch size must be a positive integer, not {global_batch_size}.")
+    grid = grid or baselines.Grid()
+    check_pins(profile, cluster, method, grid, recompute)
     sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
     best = None  # (step time, plan, info)
     passes = {}
     plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
-    for recompute in RECOMPUTE_PASSES:
-        if recompute != "none" and not helps(
-            profile, cluster, global_batch_size, sizes, Pass(), Pass(recompute)
+    for mode_recompute in RECOMPUTE_PASSES if recompute is None else (recompute,):
+        if (
+            recompute is None
+            and mode_recompute != "none"
+            and not helps(profile, cluster, global_batch_size, sizes, Pass(), Pass(mode_recompute))
         ):
-            passes[recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
+            passes[mode_recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
             continue
-        for mode in sharding_passes(profile, cluster, global_batch_size, sizes, recompute, method, sharding):
+        for mode in sharding_passes(
+            profile, cluster, global_batch_size, sizes, mode_recompute, method, sharding
+        ):
             mode = dataclasses.replace(mode, interleave=interleave)
             upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
             found = _solve_pass(
-                profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, mode, upper
+                profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, mode, upper, grid
             )
             if found is None:
                 passes[mode.name] = None if best is None else "no faster plan"
                 continue
             plan, info = found
-            plan = relax_recompute(plain, plan)
+            if recompute is None:
+                plan = relax_recompute(plain, plan)
             estimate = plain.estimate(plan)
             passes[mode.name] = round(estimate.step_time_s, 6)
             if best is None or estimate.step_time_s < best[0]:
                 best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
     if best is None:
+        if grid.pinned or (method == "uniform" and recompute is not None):
+            heaviest = recompute or RECOMPUTE_PASSES[-1]
+            raise ElastorError(
+                baselines.grid_misfit(
+                    profile, cluster, global_batch_size, sizes, grid, heaviest, sharding[-1]
+                )
+            )
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
     _, plan, info = best
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
@@ -139,6 +158,9 @@ def sharding_passes(profile, cluster, gbs, sizes, recompute, method, sharding):
     over 2 runs where memory frees nothing only for a 16-bit profile: in fp32 the reduce-scatter and
     the gather move the all-reduce's bytes and leave the gather exposed, so only memory (or a smaller
     optimizer step, not searched for) could make ZeRO-1 faster; in 16-bit the gather moves half."""
+    if method == "uniform":  # one grid per layout: the family prices its own ZeRO-1 replicas
+        yield from (Pass(recompute, layout) for layout in sharding)
+        return
     if "none" in sharding:
         yield Pass(recompute)
     if "zero1" not in sharding or method not in ("elastor", "node-drop"):
@@ -178,8 +200,36 @@ def _fewest_gpus(profile, cluster, sizes, mode: Pass) -> int:
     )
 
 
+def check_pins(profile: ModelProfile, cluster: ClusterSpec, method: str, grid, recompute) -> None:
+    """One sentence for pins that cannot apply: grid pins outside the uniform method, a TP degree
+    the profile or the nodes do not allow, a PP or chunk count the layers cannot take."""
+    if grid.pinned and method != "uniform":
+        raise ElastorError("--tp, --pp and a number of --chunks pin a uniform grid; add --method uniform.")
+    if recompute is not None and recompute not in RECOMPUTE_PASSES:
+        raise ElastorError(f"Unknown recompute mode {recompute!r}; use one of {', '.join(RECOMPUTE_PASSES)}.")
+    allowed = tp_degrees(profile, cluster)
+    if grid.tp is not None and grid.tp not in allowed:
+        raise ElastorError(
+            f"--tp {grid.tp} is not available for {profile.model.name} on cluster {cluster.short_form()}: "
+            "the TP degree must be profiled, divide the heads and fit on a node "
+            f"({', '.join(map(str, allowed))})."
+        )
+    blocks = profile.model.num_blocks
+    if grid.pp is not None and not 1 <= grid.pp <= blocks:
+        raise ElastorError(f"--pp {grid.pp} must be between 1 and the model's {blocks} blocks.")
+    if grid.chunks < 1 or (grid.chunks > 1 and grid.pp == 1):
+        raise ElastorError(
+            f"--chunks {grid.chunks} needs a positive count, and more than one chunk needs --pp of 2 or more."
+        )
+    if grid.pp and grid.pp * grid.chunks > blocks:
+        raise ElastorError(
+            f"--pp {grid.pp} with --chunks {grid.chunks} needs {grid.pp * grid.chunks} virtual stages, "
+            f"more than the model's {blocks} blocks."
+        )
+
+
 def _solve_pass(
-    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf
+    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf, grid=None
 ) -> tuple[Plan, dict] | None:
     """The fastest plan of `method`'s family in pass `mode`, and its solver block; Elastor's search
     looks only for plans faster than `upper_bound_s` (None when there is none)."""
@@ -197,9 +247,20 @@ def _solve_pass(
         outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
         plan = outcome.plan
         info["nodes"] = [n.name for n in healthy.nodes]
+    elif method == "uniform":
+        found = baselines.uniform(
+            profile,
+            cluster,
+            gbs,
+            sizes,
+            mode.recompute,
+            grid=grid or baselines.Grid(),
+            sharding=mode.sharding,
+        )
+        plan = found[1] if found else None
+        outcome = None
     else:
-        family = baselines.uniform if method == "uniform" else baselines.pow2_greedy
-        found = family(profile, cluster, gbs, sizes, mode.recompute)
+        found = baselines.pow2_greedy(profile, cluster, gbs, sizes, mode.recompute)
         plan = found[1] if found else None
         outcome = None
     if plan is None:

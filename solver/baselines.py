@@ -17,13 +17,15 @@ node-drop    (in solver/__init__.py) Elastor's own search on the fully healthy n
 import bisect
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.estimate import CostModel, plan_sync_s, steady_period_s
+from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver.core import pipeline_sync, tp_degrees
 from solver.master import balance
@@ -83,51 +85,193 @@ def _plan(cm: CostModel, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], c
 
 def equal_split(num_blocks: int, stages: int) -> list[tuple[int, int]] | None:
     """Layer ranges of `stages` stages with blocks as equal as possible (first ones get the extra)."""
-    if stages > max(num_blocks, 1):
+    split = virtual_split(num_blocks, stages, 1)
+    return None if split is None else [chunks[0] for chunks in split]
+
+
+def virtual_split(num_blocks: int, stages: int, chunks: int) -> list[tuple[tuple[int, int], ...]] | None:
+    """Megatron's layer assignment for `stages` stages of `chunks` chunks each: the blocks cut into
+    stages x chunks virtual stages as equal as possible (the first ones get the extra block), the
+    embedding joining virtual stage 0 and the head the last; stage s holds virtual stages s,
+    s + stages, s + 2 stages, ... (Narayanan et al. 2021, section 2.2.2). None when there are more
+    virtual stages than blocks."""
+    virtual = stages * chunks
+    if virtual > max(num_blocks, 1) or (chunks > 1 and stages < 2):
         return None
     bounds, start = [], 0
-    for i in range(stages):
-        blocks = num_blocks // stages + (1 if i < num_blocks % stages else 0)
-        end = start + blocks + (1 if i == 0 else 0) + (1 if i == stages - 1 else 0)
+    for i in range(virtual):
+        blocks = num_blocks // virtual + (1 if i < num_blocks % virtual else 0)
+        end = start + blocks + (1 if i == 0 else 0) + (1 if i == virtual - 1 else 0)
         bounds.append((start, end))
         start = end
-    return bounds
+    return [tuple(bounds[k * stages + s] for k in range(chunks)) for s in range(stages)]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The dimensions of a Megatron-style grid a user pins (`elastor plan --method uniform --tp T
+    --pp P --chunks V`); None leaves one to the search. The recompute mode and the optimizer
+    layout are pinned by the passes `solve` runs."""
+
+    tp: int | None = None
+    pp: int | None = None
+    chunks: int = 1
+
+    @property
+    def pinned(self) -> bool:
+        return self.tp is not None or self.pp is not None or self.chunks != 1
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}" if self.tp else "any TP", f"PP{self.pp}" if self.pp else "any PP"]
+        return " x ".join(parts) + (
+            f" (interleaved, {self.chunks} chunks per stage)" if self.chunks > 1 else ""
+        )
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    mbs: int
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def grid_candidates(
+    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], grid: Grid
+) -> Iterator[_Candidate]:
+    """Every (micro-batch size, TP, PP) the grid allows, with the most pipelines it can have: TP
+    groups inside nodes, as many as there are PP-sized sets of them, dividing the micro-batches
+    (gbs / mbs), each pipeline with at least as many micro-batches as stages."""
+    num_blocks = profile.model.num_blocks
+    for mbs in sizes:
+        N = gbs // mbs
+        for tp in tp_degrees(profile, cluster):
+            if grid.tp not in (None, tp):
+                continue
+            groups = len(_tp_groups(cluster, tp))
+            for pp in [grid.pp] if grid.pp else range(1, groups + 1):
+                if virtual_split(num_blocks, pp, grid.chunks) is None:
+                    break
+                dp = next((d for d in range(groups // pp, 0, -1) if N % d == 0 and N // d >= pp), None)
+                if dp is not None:
+                    yield _Candidate(mbs, tp, pp, dp)
+
+
+def _tp_groups(cluster: ClusterSpec, tp: int) -> list[tuple[int, int]]:
+    """(node index, first GPU index) of every TP group of `tp` GPUs inside a node, node by node."""
+    return [(i, g * tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // tp)]
+
+
+def grid_plan(cm: CostModel, cluster: ClusterSpec, gbs: int, c: _Candidate, chunks: int) -> Plan:
+    """The plan of one grid: pipeline j's stage i on the (j * pp + i)-th TP group, groups node by node."""
+    groups = _tp_groups(cluster, c.tp)
+    split = virtual_split(cm.model.num_blocks, c.pp, chunks)
+    pipes = [[(*groups[j * c.pp + i], layers) for i, layers in enumerate(split)] for j in range(c.dp)]
+    built = []
+    for pipe in pipes:
+        stages = []
+        for node, first, layers in pipe:
+            n = cluster.nodes[node]
+            devices = tuple(f"{n.name}:{g}" for g in n.gpus[first : first + c.tp])
+            stages.append(cm.planned_stage(layers if chunks > 1 else layers[0], devices))
+        built.append(Pipeline(num_microbatches=gbs // c.mbs // c.dp, stages=tuple(stages)))
+    plan = Plan(
+        optimizer=cm.optimizer,
+        model=cm.profile.model,
+        global_batch_size=gbs,
+        micro_batch_size=c.mbs,
+        seq_len=cm.profile.seq_len,
+        dtype=cm.profile.dtype,
+        pipelines=tuple(built),
+    )
+    return plan.validate(cluster)
 
 
 def uniform(
-    profile: ModelProfile, cluster: ClusterSpec, gbs: int, sizes: Sequence[int], recompute: str = "none"
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    gbs: int,
+    sizes: Sequence[int],
+    recompute: str = "none",
+    *,
+    grid: Grid = Grid(),
+    sharding: str = "none",
 ) -> tuple[float, Plan] | None:
     """Among the grids that fit (memory, and a global batch that splits evenly into DP x micro-batch
     size), those on the most GPUs, and of them the fastest: Megatron-style planners run TP x PP x DP
-    = world size on the largest subset of the healthy GPUs that admits a grid."""
-    cm = CostModel(profile, cluster, recompute=recompute)
-    model = profile.model
-    best = None  # (-GPUs used, step time, plan parts): the most GPUs first, then the fastest
-    for mbs in sizes:
-        N = gbs // mbs
-        tables = {t: stage_table(cm, t, mbs) for t in tp_degrees(profile, cluster)}
-        for tp in tables:
-            groups = [(i, g * tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // tp)]
-            for pp in range(1, len(groups) + 1):
-                split = equal_split(model.num_blocks, pp)
-                if split is None:
-                    break
-                for dp in range(1, len(groups) // pp + 1):
-                    if N % dp or N // dp < pp:
-                        continue
-                    pipes = [
-                        [(s, e, tp, *groups[j * pp + i]) for i, (s, e) in enumerate(split)] for j in range(dp)
-                    ]
-                    if not _fits(tables, pipes[0]):
-                        break  # more pipelines do not change a stage's memory
-                    counts = [N // dp] * dp
-                    key = (-tp * pp * dp, _score(cm, tables, pipes, counts))
-                    if best is None or key < best[:2]:
-                        best = (*key, (mbs, pipes, counts))
+    = world size on the largest subset of the healthy GPUs that admits a grid. Plain 1F1B grids
+    without sharding are priced from the stage tables; interleaved or ZeRO-1 grids, whose memory
+    and time the tables do not hold, by the cost model's estimate of the whole plan."""
+    layout = OptimizerLayout(sharding=sharding)
+    cm = CostModel(profile, cluster, recompute=recompute, optimizer=layout)
+    exact = CostModel(profile, cluster)
+    tables: dict[tuple[int, int], StageTable] = {}
+    best = None  # (-GPUs used, step time, candidate): the most GPUs first, then the fastest
+    for c in grid_candidates(profile, cluster, gbs, sizes, grid):
+        if best is not None and c.gpus < -best[0]:
+            continue
+        if grid.chunks == 1 and sharding == "none":
+            key = (c.tp, c.mbs)
+            if key not in tables:
+                tables[key] = stage_table(cm, c.tp, c.mbs)
+            table = {c.tp: tables[key]}
+            split = equal_split(profile.model.num_blocks, c.pp)
+            groups = [(i, g * c.tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // c.tp)]
+            pipes = [
+                [(s, e, c.tp, *groups[j * c.pp + i]) for i, (s, e) in enumerate(split)] for j in range(c.dp)
+            ]
+            if not _fits(table, pipes[0]):
+                continue
+            cost = _score(cm, table, pipes, [gbs // c.mbs // c.dp] * c.dp)
+        else:
+            estimate = exact.estimate(grid_plan(cm, cluster, gbs, c, grid.chunks))
+            if not estimate.fits:
+                continue
+            cost = estimate.step_time_s
+        key = (-c.gpus, cost)
+        if best is None or key < best[:2]:
+            best = (*key, c)
     if best is None:
         return None
-    _, cost, (mbs, pipes, counts) = best
-    return cost, _plan(cm, cluster, gbs, mbs, pipes, counts)
+    _, cost, c = best
+    return cost, grid_plan(cm, cluster, gbs, c, grid.chunks)
+
+
+def grid_misfit(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    gbs: int,
+    sizes: Sequence[int],
+    grid: Grid,
+    recompute: str,
+    sharding: str,
+) -> str:
+    """Why no plan of a pinned grid exists, in one sentence: no grid of it is buildable on the
+    cluster and batch, or the one that needs least memory (smallest micro-batch, most pipelines)
+    does not fit, naming its fullest device."""
+    candidates = sorted(grid_candidates(profile, cluster, gbs, sizes, grid), key=lambda c: (c.mbs, -c.dp))
+    where = f"{profile.model.name} on cluster {cluster.short_form()}"
+    if not candidates:
+        return (
+            f"No {grid.describe()} grid of {where} exists at global batch {gbs}: it needs TP groups "
+            "inside nodes, enough of them for every stage, at most one virtual stage per block, and "
+            "at least as many micro-batches per pipeline as stages."
+        )
+    cm = CostModel(profile, cluster, recompute=recompute, optimizer=OptimizerLayout(sharding=sharding))
+    c = candidates[0]
+    estimate = CostModel(profile, cluster).estimate(grid_plan(cm, cluster, gbs, c, grid.chunks))
+    worst = max(estimate.stages, key=lambda s: s.peak_memory_bytes)
+    gib = 1 << 30
+    return (
+        f"The {grid.describe()} grid of {where} does not fit even at micro-batch {c.mbs} with {c.dp} "
+        f"pipelines, recompute {recompute}, optimizer {sharding}: {worst.devices[0]} (stage {worst.stage}) "
+        f"needs {worst.peak_memory_bytes / gib:.1f} GiB of the {estimate.usable_memory_bytes / gib:.1f} GiB "
+        f"usable per {cluster.device.kind}."
+    )
 
 
 def balanced_split(

@@ -9,6 +9,7 @@ from costmodel.jsonio import read_json, write_json
 from costmodel.plan import SHARDING
 from costmodel.table import format_table
 from elastor.commands import subcommand
+from solver.baselines import Grid
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,10 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--chunks",
-        choices=("1", "auto"),
+        type=chunks_arg,
         default="1",
-        help="layer chunks per stage: 1 (1F1B; default), or auto: also search interleaved 1F1B with "
-        "2-8 chunks per stage, chosen per pipeline (about three times the solve time)",
+        help="layer chunks per stage: 1 (1F1B; default); auto: also search interleaved 1F1B with "
+        "2-8 chunks per stage, chosen per pipeline (about three times the solve time); or a number V "
+        "(with --method uniform: every stage holds V chunks, Megatron's interleaved schedule)",
+    )
+    p.add_argument("--tp", type=int, help="with --method uniform: pin the TP degree of every stage")
+    p.add_argument("--pp", type=int, help="with --method uniform: pin the pipeline depth")
+    p.add_argument(
+        "--recompute",
+        choices=solver.RECOMPUTE_PASSES,
+        help="pin every stage's activation recomputation (default: each stage the lightest mode that fits)",
     )
     p.add_argument("--compare", action="store_true", help="also solve with every other method and compare")
     p.add_argument(
@@ -70,10 +79,17 @@ def micro_batch_sizes(text: str | None) -> list[int] | None:
         ) from None
 
 
+def chunks_arg(text: str) -> str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a positive number of chunks")
+
+
 def run(args: argparse.Namespace) -> int:
     profile, cluster = load_inputs(args)
     sizes = micro_batch_sizes(args.micro_batch_sizes)
     sharding = SHARDING if args.sharding == "auto" else (args.sharding,)
+    grid = Grid(tp=args.tp, pp=args.pp, chunks=1 if args.chunks == "auto" else int(args.chunks))
     plan = solver.solve(
         profile,
         cluster,
@@ -83,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         args.time_limit,
         sharding=sharding,
         interleave=args.chunks == "auto",
+        recompute=args.recompute,
+        grid=grid,
     )
     write_json(args.out, plan.to_json())
     print(plan.summary())
