@@ -89,6 +89,7 @@ def solve_case(name: str, model: str, cluster: ClusterSpec, gbs: int, target_s: 
         "family": info.get("family"),
         "templates": info.get("templates"),
         "samples_per_s": plan.predicted["samples_per_s"] if plan else None,
+        "mfu": plan.predicted.get("mfu") if plan else None,  # costmodel/flops.py
         "pipelines": len(plan.pipelines) if plan else 0,
         "gpus_used": plan.world_size if plan else 0,
         "error": error,
@@ -185,10 +186,24 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_json(args.out, results)
 
-    rows = [("case", "GPUs", "wall s", "cpu s", "target s", "status", "gap", "samples/s", "below a baseline")]
+    rows = [
+        (
+            "case",
+            "GPUs",
+            "wall s",
+            "cpu s",
+            "target s",
+            "status",
+            "gap",
+            "samples/s",
+            "MFU",
+            "below a baseline",
+        )
+    ]
     for c in cases:
         gap = "-" if c["gap"] is None else f"{c['gap']:.2%}"
         rate = "-" if c["samples_per_s"] is None else f"{c['samples_per_s']:.2f}"
+        mfu = "-" if c["mfu"] is None else f"{c['mfu']:.1%}"
         rows.append(
             (
                 c["case"],
@@ -199,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 c["status"],
                 gap,
                 rate,
+                mfu,
                 c["below"] or "no",
             )
         )
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             round(sweep_wall, 2),
             round(sweep_cpu, 2),
             60.0,
+            "",
             "",
             "",
             "",

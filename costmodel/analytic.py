@@ -70,27 +70,42 @@ FP32_BYTES = 4
 INT64_BYTES = 8
 BOOL_BYTES = 1
 
-# Fraction of a device kind's peak FLOP/s that one layer's forward or backward reaches. End-to-end
-# training reaches 44-52% of peak on A100 (Narayanan et al. 2021, table 1: 137-163 TFLOP/s per GPU
-# of 312) and 38-43% on H100 (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4); those
-# figures include pipeline bubbles and communication, which the cost model adds separately, so the
-# layer compute alone runs at the top of each range: we take 0.52 (A100) and 0.43 (H100, H200: the
-# same compute die). For the `cpu` kind the peak itself is a placeholder; measure a CPU instead.
-ACHIEVABLE_EFFICIENCY = {
-    "A100-40GB": 0.52,
-    "A100-80GB": 0.52,
-    "H100-80GB": 0.43,
-    "H200-141GB": 0.43,
-    "cpu": 0.5,
+# Named kernel efficiencies: the fraction of a device kind's datasheet peak that one class of
+# kernel reaches, each from a published microbenchmark of that kernel on that GPU (not from an
+# end-to-end training run, whose bubbles and communication the cost model counts on its own).
+#   gemm       dense 16-bit matrix products (cuBLAS). A100: optimised GEMMs reach 80-90% of peak
+#              (Dao 2023, "FlashAttention-2", section 1); we take the low end, as a transformer's
+#              GEMMs are narrower than the square best case. H100 and H200 (one compute die): the
+#              maximum achievable bf16 matmul throughput measured on H100 SXM, about 80% of its 989
+#              TFLOP/s (Bekman, "Machine Learning Engineering", chapter "Maximum Achievable Matmul
+#              FLOPS", 2024).
+#   attention  the causal attention kernel torch's scaled_dot_product_attention dispatches in 16 bit
+#              (FlashAttention-2). A100: 50-73% of peak forward and backward (Dao 2023, abstract); we
+#              take the middle, 0.6. H100/H200: 35% (Shah et al. 2024, "FlashAttention-3", abstract:
+#              FlashAttention-2 does not use Hopper's asynchronous tensor cores).
+#   bandwidth  streaming elementwise and reduction kernels (norms, rotary, SiLU, residual adds,
+#              casts, the loss): 80% of the datasheet memory bandwidth (Jia et al. 2018,
+#              "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking": 750 of 900 GB/s).
+# The `cpu` kind's peak is a placeholder (measure a CPU instead); its efficiencies are too.
+KERNEL_EFFICIENCY = {
+    "A100-40GB": {"gemm": 0.80, "attention": 0.60, "bandwidth": 0.80},
+    "A100-80GB": {"gemm": 0.80, "attention": 0.60, "bandwidth": 0.80},
+    "H100-80GB": {"gemm": 0.80, "attention": 0.35, "bandwidth": 0.80},
+    "H200-141GB": {"gemm": 0.80, "attention": 0.35, "bandwidth": 0.80},
+    "cpu": {"gemm": 0.5, "attention": 0.5, "bandwidth": 0.8},
 }
-DEFAULT_ACHIEVABLE_EFFICIENCY = 0.4  # a device kind not in the table above
-# Fraction of the datasheet memory bandwidth that streaming kernels reach: Jia et al. 2018,
-# "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", measure 750 of 900 GB/s.
-MEMORY_BANDWIDTH_EFFICIENCY = 0.8
+DEFAULT_KERNEL_EFFICIENCY = {"gemm": 0.6, "attention": 0.35, "bandwidth": 0.7}  # a kind not listed
+# FlashAttention's backward runs five matrix products per tile (it recomputes the scores) against
+# the forward's two: 2.5 times the forward FLOPs (Dao 2023, section 3.1.2).
+ATTENTION_BACKWARD_FLOPS_FACTOR = 2.5
+# An elementwise kernel's backward reads the output gradient and what the forward saved and writes
+# the input gradients: about twice the tensors its forward reads and writes (a multiply: 3 forward,
+# 5 backward; a unary op: 2 and 3; a norm's backward adds a reduction pass).
+ELEMENTWISE_BACKWARD_FACTOR = 2.0
 
 
-def achievable_efficiency(kind: str) -> float:
-    return ACHIEVABLE_EFFICIENCY.get(kind, DEFAULT_ACHIEVABLE_EFFICIENCY)
+def kernel_efficiency(kind: str) -> dict[str, float]:
+    return KERNEL_EFFICIENCY.get(kind, DEFAULT_KERNEL_EFFICIENCY)
 
 
 def _local(config: ModelConfig, tp_degree: int) -> tuple[int, int, int, int]:
@@ -246,12 +261,44 @@ def shard_param_count(config: ModelConfig, kind: str, tp_degree: int) -> int:
     return 2 * h + 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * width
 
 
-# ---- time: a roofline ------------------------------------------------------------------------------
-def roofline_s(flops: float, traffic_bytes: float, device: DeviceKind, efficiency: float) -> float:
+# ---- time: a roofline per kernel --------------------------------------------------------------------
+def roofline_s(flops: float, traffic_bytes: float, device: DeviceKind, flops_efficiency: float) -> float:
     """Williams, Waterman & Patterson 2009, "Roofline": the slower of compute and memory traffic."""
-    compute = flops / (device.peak_flops * efficiency)
-    memory = traffic_bytes / (device.memory_bandwidth_gbps * 1e9 * MEMORY_BANDWIDTH_EFFICIENCY)
-    return max(compute, memory)
+    bandwidth = device.memory_bandwidth_gbps * 1e9 * kernel_efficiency(device.kind)["bandwidth"]
+    return max(flops / (device.peak_flops * flops_efficiency), traffic_bytes / bandwidth)
+
+
+def gemm_s(m: int, k: int, n: int, dtype_bytes: int, device: DeviceKind, copies: int = 1) -> float:
+    """`copies` products of [m, k] x [k, n] (2 m k n FLOPs each, the three matrices moved once)."""
+    eff = kernel_efficiency(device.kind)["gemm"]
+    return copies * roofline_s(2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n), device, eff)
+
+
+def elementwise_bytes(config: ModelConfig, kind: str, b: int, s: int, tp: int, dtype: str) -> int:
+    """Bytes the forward's elementwise and reduction kernels read and write on one TP shard, op by
+    op as runtime/model.py runs them in eager PyTorch (per token, D = dtype bytes, 4 = fp32):
+        RMSNorm (per norm, h wide): the fp32 copy (D + 4, none in fp32), its square (8), the mean
+            (4), the scaling (8), back to the dtype (4 + D, none in fp32), times the weight (3 D)
+        rotary on q and k (n = their widths): two products, the half rotation and its concatenation,
+            the sum: 10 D n; key/value repetition for grouped heads: D (k, v read, q-wide written)
+        the attention output's transpose to [b, s, heads]: 2 D q
+        SwiGLU: SiLU (2 D F) and the product with up (3 D F); two residual additions (3 D h each)
+        embedding: the gather (2 D h), and under TP the out-of-shard mask and zeroing (1 + 2 D h)
+        head: its norm, then the loss over the V/t logits: the fp32 copy (D + 4), log-softmax
+            (two passes over it and the output: 12), the picked targets (negligible)"""
+    dt, tokens = DTYPE_BYTES[dtype], b * s
+    heads, kv_heads, width, vocab = _local(config, tp)
+    q, kv = heads * config.head_dim, kv_heads * config.head_dim
+    cast = 0 if dt == FP32_BYTES else 2 * (dt + FP32_BYTES)
+    norm = config.hidden_size * (cast + 8 + 4 + 8 + 3 * dt)
+    if kind == "embed":
+        return tokens * config.hidden_size * (2 * dt + (1 + 2 * dt if tp > 1 else 0))
+    if kind == "head":
+        return tokens * (norm + vocab * ((dt + FP32_BYTES if dt != FP32_BYTES else 0) + 12))
+    rotary = 10 * dt * (q + kv)
+    repeat = dt * (2 * kv + 2 * q) if kv_heads < heads else 0
+    mlp = 5 * dt * width
+    return tokens * (2 * norm + rotary + repeat + 2 * dt * q + mlp + 2 * 3 * dt * config.hidden_size)
 
 
 def layer_times_s(
@@ -262,27 +309,38 @@ def layer_times_s(
     tp_degree: int,
     dtype: str,
     device: DeviceKind,
-    efficiency: float,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of one TP shard on `device`.
-
-    Memory traffic of a forward: the shard's weights read once, its kept activations and its output
-    written once; the backward moves about twice that (weights, their gradients, the activations,
-    the input gradient), as its FLOPs. The embedding is the exception: its forward reads only the
-    b·s rows it gathers, and PyTorch's dense embedding backward writes a gradient the size of the
-    whole V/t × h shard and adds it to `.grad`.
-    """
+    """(forward, backward) seconds of one TP shard on `device`: every kernel at its own roofline
+    and named efficiency (KERNEL_EFFICIENCY), summed, as the kernels of one stream run one after the
+    other. Backward: each GEMM twice (input and weight gradients), attention at
+    ATTENTION_BACKWARD_FLOPS_FACTOR, elementwise traffic at ELEMENTWISE_BACKWARD_FACTOR. The
+    embedding's backward also writes a dense gradient of its whole V/t x h shard (PyTorch's dense
+    embedding backward) and adds it to `.grad`."""
+    b, s, h, d = micro_batch_size, seq_len, config.hidden_size, config.head_dim
     dt = DTYPE_BYTES[dtype]
-    weights = shard_param_count(config, kind, tp_degree) * dt
-    kept = activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype)
-    hidden = micro_batch_size * seq_len * config.hidden_size * dt
+    heads, kv_heads, width, vocab = _local(config, tp_degree)
+    eff = kernel_efficiency(device.kind)
+    tokens = b * s
+    bandwidth = device.memory_bandwidth_gbps * 1e9 * eff["bandwidth"]
+    moved = elementwise_bytes(config, kind, b, s, tp_degree, dtype) / bandwidth
     if kind == "embed":
-        fwd_traffic, bwd_traffic = 2 * hidden + kept, 2 * weights
-    else:
-        fwd_traffic = weights + kept + hidden
-        bwd_traffic = BACKWARD_FLOPS_FACTOR * fwd_traffic
-    fwd = forward_flops(config, kind, micro_batch_size, seq_len, tp_degree)
-    return (
-        roofline_s(fwd, fwd_traffic, device, efficiency),
-        roofline_s(BACKWARD_FLOPS_FACTOR * fwd, bwd_traffic, device, efficiency),
+        dense_grad = 3 * vocab * h * dt  # written, then read and added into .grad
+        return moved, ELEMENTWISE_BACKWARD_FACTOR * moved + dense_grad / bandwidth
+    if kind == "head":
+        gemm = gemm_s(tokens, h, vocab, dt, device)
+        return gemm + moved, 2 * gemm + ELEMENTWISE_BACKWARD_FACTOR * moved
+    q, kv = heads * d, kv_heads * d
+    gemms = (
+        gemm_s(tokens, h, q, dt, device)
+        + gemm_s(tokens, h, kv, dt, device, copies=2)
+        + gemm_s(tokens, q, h, dt, device)
+        + gemm_s(tokens, h, width, dt, device, copies=2)
+        + gemm_s(tokens, width, h, dt, device)
     )
+    core_flops = 2 * 2 * b * s * s * heads * d * CAUSAL_ATTENTION_FRACTION
+    core_bytes = dt * tokens * 4 * q  # q, k and v (repeated to H heads) read, the output written
+    core = roofline_s(core_flops, core_bytes, device, eff["attention"])
+    core_bwd = roofline_s(
+        ATTENTION_BACKWARD_FLOPS_FACTOR * core_flops, 2 * core_bytes, device, eff["attention"]
+    )
+    return gemms + core + moved, 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved

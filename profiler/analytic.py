@@ -1,8 +1,10 @@
 """Analytic profiles for hardware you do not have: the same rows a measurement fills, from formulas.
 
 Torch-free, so `elastor profile --analytic` answers in well under a second even for llama2-70b.
-Times are a roofline of the layer's FLOPs at the device kind's peak times ACHIEVABLE_EFFICIENCY
-and of its memory traffic; activation bytes are the formula the CPU measurement validates
+Times are a roofline per kernel (`costmodel.analytic.layer_times_s`): each GEMM, the attention
+kernel and the elementwise traffic at the device kind's peak times that kernel's named efficiency
+(`costmodel.analytic.KERNEL_EFFICIENCY`, each from a published microbenchmark); no end-to-end
+utilisation enters. Activation bytes are the formula the CPU measurement validates
 (`costmodel.analytic`, `benchmarks/memory_validation.py`).
 """
 
@@ -32,15 +34,12 @@ def analytic_profile(
             f"The {device.kind} peak in the hardware table is for 16-bit tensor-core math; profile "
             "analytically with --dtype bfloat16 or float16."
         )
-    efficiency = analytic.achievable_efficiency(device.kind)
     costs: dict[str, tuple[LayerCost, ...]] = {}
     for kind in ("embed", "block", "head"):
         rows = []
         for t in tp_degrees:
             for mbs in micro_batch_sizes:
-                fwd_s, bwd_s = analytic.layer_times_s(
-                    config, kind, mbs, seq_len, t, dtype, device, efficiency
-                )
+                fwd_s, bwd_s = analytic.layer_times_s(config, kind, mbs, seq_len, t, dtype, device)
                 rows.append(
                     LayerCost(
                         micro_batch_size=mbs,
@@ -75,8 +74,9 @@ def analytic_profile(
         layers=layers,
         method={
             "formulas": "costmodel/analytic.py",
-            "achievable_efficiency": efficiency,
-            "memory_bandwidth_efficiency": analytic.MEMORY_BANDWIDTH_EFFICIENCY,
+            "kernel_efficiency": analytic.kernel_efficiency(device.kind),
+            "attention_backward_flops_factor": analytic.ATTENTION_BACKWARD_FLOPS_FACTOR,
+            "elementwise_backward_factor": analytic.ELEMENTWISE_BACKWARD_FACTOR,
             "peak_flops": device.peak_flops,
             "memory_bandwidth_gbps": device.memory_bandwidth_gbps,
             "causal_attention_fraction": analytic.CAUSAL_ATTENTION_FRACTION,

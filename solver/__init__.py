@@ -56,7 +56,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from costmodel import ClusterSpec, NodeSpec, Plan
 from costmodel.errors import ElastorError
@@ -74,6 +74,7 @@ from solver.templates import fewest_gpus
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
 DEFAULT_TIME_LIMIT_S = 30.0
+PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
 
@@ -90,12 +91,14 @@ def solve(
     interleave: bool = False,
     recompute: str | None = None,
     grid: Grid | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The fastest plan of `method`'s family; raises ElastorError (one sentence) when none exists.
     `sharding` lists the optimizer layouts to search; with `interleave`, Elastor's search also offers
     every pipeline template interleaved (solver.interleave: 2 to 8 layer chunks per stage).
     `recompute` pins every stage's recomputation mode (else each pass's answer gives back what its
-    stages do not need), and `grid` pins the TP, PP and chunks of the uniform method's grid."""
+    stages do not need), and `grid` pins the TP, PP and chunks of the uniform method's grid.
+    `progress` receives a line after each pass once the solve has run PROGRESS_AFTER_S."""
     started = time.perf_counter()
     if method not in METHODS:
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
@@ -133,6 +136,12 @@ def solve(
             passes[mode.name] = round(estimate.step_time_s, 6)
             if best is None or estimate.step_time_s < best[0]:
                 best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
+            if progress is not None and time.perf_counter() - started > PROGRESS_AFTER_S:
+                progress(
+                    f"[{time.perf_counter() - started:.1f} s] pass {mode.name}: "
+                    f"{estimate.step_time_s:.4f} s/step ({info['status']}, gap {info['gap']:.2%}); "
+                    f"best so far {best[0]:.4f} s/step"
+                )
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -369,7 +378,7 @@ def _elastor(
     if not seeds:
         return outcome
     left = time_limit_s - (time.perf_counter() - started)
-    return search(
+    seeded = search(
         profile,
         cluster,
         gbs,
@@ -380,6 +389,12 @@ def _elastor(
         mode=mode,
         upper_bound_s=upper_bound_s,
     )
+    # With the time limit spent by the first search, the seeded one may stop before it reaches its
+    # seeds' plans: the best seed is then the answer (never below a baseline, not proven optimal).
+    cost, plan = min(seeds, key=lambda f: f[0])
+    if seeded.plan is None or seeded.objective_s > cost * (1 + 1e-12):
+        return dataclasses.replace(seeded, plan=plan, objective_s=cost, proven=False)
+    return seeded
 
 
 def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:

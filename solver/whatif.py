@@ -93,6 +93,7 @@ def sweep(
             row = {
                 "samples_per_s": predicted["samples_per_s"],
                 "step_time_s": predicted["step_time_s"],
+                "mfu": predicted.get("mfu"),
                 "pipelines": len(plan.pipelines),
                 "gpus_used": plan.world_size,
                 "status": info.get("status", ""),
@@ -100,7 +101,13 @@ def sweep(
                 "reason": "",
             }
         except ElastorError as e:
-            row = {"samples_per_s": math.nan, "step_time_s": math.nan, "pipelines": 0, "gpus_used": 0}
+            row = {
+                "samples_per_s": math.nan,
+                "step_time_s": math.nan,
+                "mfu": math.nan,
+                "pipelines": 0,
+                "gpus_used": 0,
+            }
             row.update(status="INFEASIBLE", gap=math.nan, reason=str(e))
         rows.append(
             {

@@ -66,7 +66,7 @@ def test_analytic_profile_round_trips_and_uses_the_formulas():
     cost = profile.cost(1, 4, 2)
     assert cost.activation_bytes == formulas.activation_bytes(TIED_TINY, "block", 4, 64, 2, "bfloat16")
     assert cost.fwd_flops == formulas.forward_flops(TIED_TINY, "block", 4, 64, 2)
-    assert profile.method["achievable_efficiency"] == formulas.ACHIEVABLE_EFFICIENCY["A100-80GB"]
+    assert profile.method["kernel_efficiency"] == formulas.KERNEL_EFFICIENCY["A100-80GB"]
 
 
 def test_a_profile_file_without_the_new_fields_still_loads(tiny_profile):
@@ -159,15 +159,42 @@ def test_the_analytic_modules_import_no_torch():
     assert result.returncode == 0, "the analytic path imports torch"
 
 
-def test_analytic_times_are_a_roofline_of_the_table():
+def test_analytic_times_are_a_roofline_per_kernel():
+    """A big block's forward is its GEMMs at the GEMM efficiency, its attention kernel at the
+    attention efficiency and its elementwise traffic at the bandwidth efficiency, summed; no
+    end-to-end utilisation enters, and the backward is priced kernel by kernel too."""
     h100 = DEVICE_KINDS["H100-80GB"]
     config = PRESETS["llama2-7b"]
-    fwd_s, bwd_s = formulas.layer_times_s(config, "block", 1, 4096, 1, "bfloat16", h100, 0.43)
-    flops = formulas.forward_flops(config, "block", 1, 4096, 1)
-    assert fwd_s == pytest.approx(flops / (989e12 * 0.43))  # a big block is compute-bound
-    assert bwd_s == pytest.approx(2 * fwd_s)
-    embed_fwd, _ = formulas.layer_times_s(config, "embed", 1, 4096, 1, "bfloat16", h100, 0.43)
+    b, s, h, F = 1, 4096, config.hidden_size, config.intermediate_size
+    eff = formulas.KERNEL_EFFICIENCY["H100-80GB"]
+    fwd_s, bwd_s = formulas.layer_times_s(config, "block", b, s, 1, "bfloat16", h100)
+    gemm_flops = 2 * b * s * h * (4 * h + 3 * F)  # q, k, v, o and the three MLP matrices (MHA)
+    core_flops = 4 * b * s * s * h * formulas.CAUSAL_ATTENTION_FRACTION
+    moved = formulas.elementwise_bytes(config, "block", b, s, 1, "bfloat16")
+    expected = (
+        gemm_flops / (989e12 * eff["gemm"])
+        + core_flops / (989e12 * eff["attention"])
+        + moved / (3350e9 * eff["bandwidth"])
+    )
+    assert fwd_s == pytest.approx(expected, rel=1e-9)
+    expected_bwd = (
+        2 * gemm_flops / (989e12 * eff["gemm"])
+        + formulas.ATTENTION_BACKWARD_FLOPS_FACTOR * core_flops / (989e12 * eff["attention"])
+        + formulas.ELEMENTWISE_BACKWARD_FACTOR * moved / (3350e9 * eff["bandwidth"])
+    )
+    assert bwd_s == pytest.approx(expected_bwd, rel=1e-9)
+    # the whole block runs below the GEMM efficiency: attention and the elementwise kernels are slower
+    achieved = formulas.forward_flops(config, "block", b, s, 1) / fwd_s / 989e12
+    assert 0.5 < achieved < eff["gemm"]
+    embed_fwd, _ = formulas.layer_times_s(config, "embed", 1, 4096, 1, "bfloat16", h100)
     assert 0 < embed_fwd < 1e-4  # a gather: memory-bound, microseconds
+
+
+def test_a_small_gemm_is_memory_bound():
+    """One token's projection reads the whole weight: bandwidth, not FLOPs, sets its time."""
+    h100 = DEVICE_KINDS["H100-80GB"]
+    t = formulas.gemm_s(1, 4096, 4096, 2, h100)
+    assert t == pytest.approx(2 * (4096 + 4096 * 4096 + 4096) / (3350e9 * 0.8), rel=1e-12)
 
 
 # ---- the command line ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ model, the largest four of them were out of memory.
 """
 
 import pytest
+from helpers import load_benchmark
 
 from costmodel import ClusterSpec, ModelConfig, Pipeline, Plan
 from costmodel.estimate import CostModel, in_flight
@@ -24,34 +25,13 @@ from profiler.analytic import analytic_profile
 from solver import relax_recompute
 from solver.baselines import equal_split
 
-SEQ, VOCAB, MICRO_BATCH = 2048, 51200, 1
-# (billions of parameters, heads, hidden, layers, TP, PP, GPUs, batch size): Table 1.
-TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
-]
+PUBLISHED = load_benchmark("published_runs")
+SEQ, MICRO_BATCH = PUBLISHED.SEQ, 1
+TABLE_1 = [(r.billions, r.heads, r.hidden, r.layers, r.tp, r.pp, r.gpus, r.batch) for r in PUBLISHED.TABLE_1]
 
 
 def gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelConfig:
-    return ModelConfig(
-        name=f"gpt-{billions}b",
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=8 * hidden // 3,
-        num_blocks=layers,
-        num_heads=heads,
-        num_kv_heads=heads,
-        max_seq_len=SEQ,
-        tie_embeddings=True,
-    )
+    return PUBLISHED.Run(billions, heads, hidden, layers, 1, 1, 8, 8, 0.0).config()
 
 
 @pytest.mark.parametrize(("billions", "heads", "hidden", "layers", "tp", "pp", "gpus", "batch"), TABLE_1)
@@ -116,3 +96,28 @@ def test_llama2_70b_on_eight_nodes_no_longer_needs_deep_pipelines():
     assert cm.estimate(shallow).fits
     plan = solver.solve(profile, cluster, 64)
     assert cm.estimate(plan).fits
+
+
+# Rows the analytic model over-predicts by more than 15%: the two smallest models, where attention
+# is the largest share (s/6h = 0.15 and 0.11). Megatron-LM in 2021 materialised the s x s scores
+# (a fused softmax over b·a·s² elements, then dropout on them); our runtime and its model run the
+# flash kernel, which keeps none of that traffic. strict: a model change that fixes them fails here.
+KNOWN_OVER = {1.7: "predicted 1.30x the published TFLOP/s", 3.6: "predicted 1.18x the published TFLOP/s"}
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=KNOWN_OVER[r.billions]))
+        if r.billions in KNOWN_OVER
+        else r
+        for r in PUBLISHED.TABLE_1
+    ],
+    ids=lambda r: f"{r.billions}b",
+)
+def test_published_throughput_is_predicted_within_15_percent(run):
+    """benchmarks/published_runs.py, row by row: the pinned grid fits and its predicted TFLOP/s per
+    GPU (Narayanan's count, recomputation included) is within 15% of the published one."""
+    row = PUBLISHED.predict(run)
+    assert row["feasible"], row.get("error")
+    assert abs(row["ratio"] - 1) <= PUBLISHED.TOLERANCE, f"predicted {row['ratio']:.3f}x the published"

@@ -1,6 +1,7 @@
 """`elastor plan`: the fastest plan for a profile on a set of healthy GPUs, and how the baselines compare."""
 
 import argparse
+import sys
 
 import solver
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         interleave=args.chunks == "auto",
         recompute=args.recompute,
         grid=grid,
+        progress=lambda line: print(f"elastor plan: {line}", file=sys.stderr, flush=True),
     )
     write_json(args.out, plan.to_json())
     print(plan.summary())
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     info = plan.solver
     print(
         f"{info['method']}: {info['status']} (gap {info['gap']:.2%}) in {info['wall_s']:.2f} s"
+        + ("" if info["status"] == "OPTIMAL" else " (not proven optimal: the time limit stopped the search)")
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
     )
@@ -126,8 +129,8 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
     own = plan.predicted["samples_per_s"]
     rows = [
         (
-            "method", "samples/s", "vs " + plan.solver["method"], "pipelines", "stages", "sp stages",
-            "recompute", "optimizer", "GPUs used", "status",
+            "method", "samples/s", "MFU", "vs " + plan.solver["method"], "pipelines", "stages",
+            "sp stages", "recompute", "optimizer", "GPUs used", "status",
         )
     ]  # fmt: skip
     for method in solver.METHODS:
@@ -138,13 +141,14 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 else solver.solve(profile, cluster, gbs, method, sizes, time_limit_s)
             )
         except ElastorError as e:
-            rows.append((method, "-", "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
+            rows.append((method, "-", "-", "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
             continue
         rate = other.predicted["samples_per_s"]
         rows.append(
             (
                 method,
                 f"{rate:.3f}",
+                "n/a" if other.predicted.get("mfu") is None else f"{other.predicted['mfu']:.1%}",
                 f"{rate / own:.3f}",
                 len(other.pipelines),
                 ",".join(sorted({str(len(p.stages)) for p in other.pipelines})),
