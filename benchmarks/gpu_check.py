@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from costmodel import PRESETS, ClusterSpec, Pipeline, Plan
+from costmodel import PRESETS, ClusterSpec, Pipeline, Plan, Stage
 from costmodel.estimate import CostModel
 from costmodel.jsonio import write_json
 from costmodel.table import format_table
@@ -71,19 +71,16 @@ SETTINGS = {
 
 
 def one_stage_plan(config, seq: int, mbs: int, micro_batches: int, recompute: str) -> Plan:
-    """gpt-small on one device: one pipeline, one stage of every layer, in bf16."""
-    base = Plan(
+    """The model on one device: one pipeline, one stage of every layer, in bf16."""
+    stage = Stage(chunks=((0, config.num_layers),), devices=("n0:0",), recompute=recompute)
+    return Plan(
         model=config,
         global_batch_size=mbs * micro_batches,
         micro_batch_size=mbs,
         seq_len=seq,
         dtype="bfloat16",
-        pipelines=(Pipeline(num_microbatches=micro_batches, stages=()),),
-    )
-    stage = {"layers": [0, config.num_layers], "devices": ["n0:0"], "recompute": recompute}
-    data = base.to_json()
-    data["pipelines"] = [{"num_microbatches": micro_batches, "stages": [stage]}]
-    return Plan.from_json(data).validate()
+        pipelines=(Pipeline(num_microbatches=micro_batches, stages=(stage,)),),
+    ).validate()
 
 
 def train(plan: Plan, device: str, steps: int, tmp: Path) -> dict:

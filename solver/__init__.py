@@ -64,7 +64,7 @@ from costmodel.estimate import CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
 from solver import baselines
-from solver.baselines import Grid
+from solver.baselines import NO_PINS, Grid
 from solver.core import Limits, Outcome, Pass, plan_limits, search, tp_degrees, usable_micro_batch_sizes
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
@@ -104,7 +104,7 @@ def solve(
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
     if global_batch_size < 1:
         raise ElastorError(f"The global batch size must be a positive integer, not {global_batch_size}.")
-    grid = grid or baselines.Grid()
+    grid = grid or NO_PINS
     check_pins(profile, cluster, method, grid, recompute)
     sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
     best = None  # (step time, plan, info)
@@ -238,7 +238,7 @@ def check_pins(profile: ModelProfile, cluster: ClusterSpec, method: str, grid, r
 
 
 def _solve_pass(
-    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf, grid=None
+    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf, grid=NO_PINS
 ) -> tuple[Plan, dict] | None:
     """The fastest plan of `method`'s family in pass `mode`, and its solver block; Elastor's search
     looks only for plans faster than `upper_bound_s` (None when there is none)."""
@@ -263,7 +263,7 @@ def _solve_pass(
             gbs,
             sizes,
             mode.recompute,
-            grid=grid or baselines.Grid(),
+            grid=grid,
             sharding=mode.sharding,
         )
         plan = found[1] if found else None

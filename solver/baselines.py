@@ -61,14 +61,16 @@ def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Seq
     return slowest + plan_sync_s(priced) + optimizer
 
 
-def _plan(cm: CostModel, cluster, gbs, mbs, pipes: Sequence[Sequence[Placed]], counts: Sequence[int]) -> Plan:
+def _plan(cm: CostModel, cluster, gbs, mbs, pipes, counts: Sequence[int]) -> Plan:
+    """A plan of pipelines of stages (layers, tp, node index, first GPU index), where layers is a
+    range (start, end) or a stage's chunks ((start, end), ...)."""
     built = []
     for pipe, m in zip(pipes, counts, strict=True):
         stages = []
-        for s, e, tp, node, first in pipe:
+        for layers, tp, node, first in pipe:
             n = cluster.nodes[node]
             stages.append(
-                cm.planned_stage((s, e), tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
+                cm.planned_stage(layers, tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
             )
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
@@ -128,6 +130,9 @@ class Grid:
         )
 
 
+NO_PINS = Grid()  # every dimension left to the search
+
+
 @dataclass(frozen=True)
 class _Candidate:
     mbs: int
@@ -166,29 +171,21 @@ def _tp_groups(cluster: ClusterSpec, tp: int) -> list[tuple[int, int]]:
     return [(i, g * tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // tp)]
 
 
-def grid_plan(cm: CostModel, cluster: ClusterSpec, gbs: int, c: _Candidate, chunks: int) -> Plan:
-    """The plan of one grid: pipeline j's stage i on the (j * pp + i)-th TP group, groups node by node."""
+def _grid_pipes(num_blocks: int, cluster: ClusterSpec, c: _Candidate, chunks: int) -> list[list[tuple]]:
+    """Pipeline j's stage i on the (j * pp + i)-th TP group, groups node by node: (layers, tp, node
+    index, first GPU index) per stage, layers a range, or the stage's chunks when interleaved."""
     groups = _tp_groups(cluster, c.tp)
-    split = virtual_split(cm.model.num_blocks, c.pp, chunks)
-    pipes = [[(*groups[j * c.pp + i], layers) for i, layers in enumerate(split)] for j in range(c.dp)]
-    built = []
-    for pipe in pipes:
-        stages = []
-        for node, first, layers in pipe:
-            n = cluster.nodes[node]
-            devices = tuple(f"{n.name}:{g}" for g in n.gpus[first : first + c.tp])
-            stages.append(cm.planned_stage(layers if chunks > 1 else layers[0], devices))
-        built.append(Pipeline(num_microbatches=gbs // c.mbs // c.dp, stages=tuple(stages)))
-    plan = Plan(
-        optimizer=cm.optimizer,
-        model=cm.profile.model,
-        global_batch_size=gbs,
-        micro_batch_size=c.mbs,
-        seq_len=cm.profile.seq_len,
-        dtype=cm.profile.dtype,
-        pipelines=tuple(built),
-    )
-    return plan.validate(cluster)
+    split = virtual_split(num_blocks, c.pp, chunks)
+    return [
+        [(layers if chunks > 1 else layers[0], c.tp, *groups[j * c.pp + i]) for i, layers in enumerate(split)]
+        for j in range(c.dp)
+    ]
+
+
+def grid_plan(cm: CostModel, cluster: ClusterSpec, gbs: int, c: _Candidate, chunks: int) -> Plan:
+    """The plan of one grid (`_grid_pipes`), every pipeline with the same micro-batches."""
+    pipes = _grid_pipes(cm.model.num_blocks, cluster, c, chunks)
+    return _plan(cm, cluster, gbs, c.mbs, pipes, [gbs // c.mbs // c.dp] * c.dp)
 
 
 def uniform(
@@ -198,7 +195,7 @@ def uniform(
     sizes: Sequence[int],
     recompute: str = "none",
     *,
-    grid: Grid = Grid(),
+    grid: Grid = NO_PINS,
     sharding: str = "none",
 ) -> tuple[float, Plan] | None:
     """Among the grids that fit (memory, and a global batch that splits evenly into DP x micro-batch
@@ -209,21 +206,14 @@ def uniform(
     layout = OptimizerLayout(sharding=sharding)
     cm = CostModel(profile, cluster, recompute=recompute, optimizer=layout)
     exact = CostModel(profile, cluster)
-    tables: dict[tuple[int, int], StageTable] = {}
     best = None  # (-GPUs used, step time, candidate): the most GPUs first, then the fastest
     for c in grid_candidates(profile, cluster, gbs, sizes, grid):
         if best is not None and c.gpus < -best[0]:
             continue
         if grid.chunks == 1 and sharding == "none":
-            key = (c.tp, c.mbs)
-            if key not in tables:
-                tables[key] = stage_table(cm, c.tp, c.mbs)
-            table = {c.tp: tables[key]}
-            split = equal_split(profile.model.num_blocks, c.pp)
-            groups = [(i, g * c.tp) for i, n in enumerate(cluster.nodes) for g in range(len(n.gpus) // c.tp)]
-            pipes = [
-                [(s, e, c.tp, *groups[j * c.pp + i]) for i, (s, e) in enumerate(split)] for j in range(c.dp)
-            ]
+            table = {c.tp: stage_table(cm, c.tp, c.mbs)}  # memoised by solver.stages
+            grid_pipes = _grid_pipes(profile.model.num_blocks, cluster, c, 1)
+            pipes = [[(s, e, tp, node, first) for (s, e), tp, node, first in pipe] for pipe in grid_pipes]
             if not _fits(table, pipes[0]):
                 continue
             cost = _score(cm, table, pipes, [gbs // c.mbs // c.dp] * c.dp)
@@ -377,7 +367,7 @@ def pow2_greedy(
     if best is None:
         return None
     cost, (mbs, pipes, counts) = best
-    return cost, _plan(cm, cluster, gbs, mbs, pipes, counts)
+    return cost, _plan(cm, cluster, gbs, mbs, [[((s, e), *rest) for s, e, *rest in p] for p in pipes], counts)
 
 
 class _BalancedSplit:
