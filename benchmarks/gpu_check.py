@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from costmodel import PRESETS, ClusterSpec, Pipeline, Plan, Stage
+from costmodel import PRESETS, ClusterSpec, Pipeline, Plan, Stage, flops
 from costmodel.estimate import CostModel
 from costmodel.jsonio import write_json
 from costmodel.table import format_table
@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
             plan = one_stage_plan(s["model"], s["seq"], s["train_mbs"], s["micro_batches"], recompute)
             predicted = CostModel(small, cluster).estimate(plan)
             measured = train(plan, args.device, s["steps"], Path(tmp))
-            flops = predicted.model_flops_per_step
             peak = predicted.peak_flops
             device = measured["memory"]["devices"]["n0:0"]
             results["runs"].append(
@@ -140,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                     "measured_step_s": measured["step_time_s"],
                     "predicted_step_s": predicted.step_time_s,
                     "step_ratio": measured["step_time_s"] / predicted.step_time_s,
-                    "measured_mfu": None if peak is None else flops / measured["step_time_s"] / peak,
+                    "measured_mfu": None
+                    if peak is None
+                    else flops.mfu(predicted.model_flops_per_step, measured["step_time_s"], 1, peak),
                     "predicted_mfu": predicted.mfu,
                     "memory": device,
                     "peak_ratio": measured["memory"]["worst_measured_over_predicted"],

@@ -289,12 +289,12 @@ def elementwise_bytes(config: ModelConfig, kind: str, b: int, s: int, tp: int, d
     dt, tokens = DTYPE_BYTES[dtype], b * s
     heads, kv_heads, width, vocab = _local(config, tp)
     q, kv = heads * config.head_dim, kv_heads * config.head_dim
-    cast = 0 if dt == FP32_BYTES else 2 * (dt + FP32_BYTES)
-    norm = config.hidden_size * (cast + 8 + 4 + 8 + 3 * dt)
+    cast = 0 if dt == FP32_BYTES else dt + FP32_BYTES  # one conversion to or from fp32
+    norm = config.hidden_size * (2 * cast + 8 + 4 + 8 + 3 * dt)
     if kind == "embed":
         return tokens * config.hidden_size * (2 * dt + (1 + 2 * dt if tp > 1 else 0))
     if kind == "head":
-        return tokens * (norm + vocab * ((dt + FP32_BYTES if dt != FP32_BYTES else 0) + 12))
+        return tokens * (norm + vocab * (cast + 12))
     rotary = 10 * dt * (q + kv)
     repeat = dt * (2 * kv + 2 * q) if kv_heads < heads else 0
     mlp = 5 * dt * width

@@ -294,7 +294,9 @@ class Estimate:
     @property
     def mfu(self) -> float | None:
         """Model FLOPs utilisation (costmodel.flops), None where the device kind has no real peak."""
-        return None if self.peak_flops is None else self.model_tflops_per_gpu * 1e12 / self.peak_flops
+        if self.peak_flops is None:
+            return None
+        return flops.mfu(self.model_flops_per_step, self.step_time_s, self.gpus, self.peak_flops)
 
     @property
     def peak_memory_bytes(self) -> dict[str, int]:

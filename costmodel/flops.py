@@ -26,13 +26,18 @@ Hardware FLOPs (HFU) add what recomputation reruns, as Narayanan's published TFL
 from costmodel.config import ModelConfig
 
 
+def _attention_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """One block's attention scores and values for one token: the whole s x s square."""
+    return 2 * 2 * seq_len * config.num_heads * config.head_dim
+
+
 def forward_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Matrix-product FLOPs of one token's forward pass (module docstring)."""
     h, d = config.hidden_size, config.head_dim
     projections = 2 * (2 * h * config.num_heads * d + 2 * h * config.num_kv_heads * d)
     mlp = 2 * 3 * h * config.intermediate_size
-    attention = 2 * 2 * seq_len * config.num_heads * d
-    return float(config.num_blocks * (projections + mlp + attention) + 2 * h * config.vocab_size)
+    blocks = config.num_blocks * (projections + mlp + _attention_flops_per_token(config, seq_len))
+    return float(blocks + 2 * h * config.vocab_size)
 
 
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -41,18 +46,15 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 def hardware_flops_per_token(config: ModelConfig, seq_len: int, recompute: str = "none") -> float:
     """Model FLOPs plus a rerun forward of every block (full) or of its attention core (selective)."""
-    h, d = config.hidden_size, config.head_dim
-    attention = 2 * 2 * seq_len * config.num_heads * d
     if recompute == "full":
-        head = 2 * h * config.vocab_size
-        rerun = forward_flops_per_token(config, seq_len) - head
+        rerun = forward_flops_per_token(config, seq_len) - 2 * config.hidden_size * config.vocab_size
     elif recompute == "selective":
-        rerun = config.num_blocks * attention
+        rerun = config.num_blocks * _attention_flops_per_token(config, seq_len)
     else:
         rerun = 0.0
     return model_flops_per_token(config, seq_len) + rerun
 
 
-def mfu(config: ModelConfig, seq_len: int, samples_per_s: float, gpus: int, peak_flops: float) -> float:
-    """Model FLOPs utilisation of a run (module docstring)."""
-    return model_flops_per_token(config, seq_len) * seq_len * samples_per_s / (gpus * peak_flops)
+def mfu(model_flops_per_step: float, step_time_s: float, gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation of a step (module docstring)."""
+    return model_flops_per_step / (step_time_s * gpus * peak_flops)

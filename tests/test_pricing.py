@@ -60,7 +60,10 @@ def test_mfu_in_the_prediction_is_model_flops_over_peak():
     cluster = ClusterSpec.parse("8", "H100-80GB")
     plan = solver.solve(profile, cluster, 16)
     p = plan.predicted
-    expected = model_flops.mfu(profile.model, 4096, p["samples_per_s"], plan.world_size, 989e12)
+    tokens_per_s = p["samples_per_s"] * 4096
+    expected = (
+        model_flops.model_flops_per_token(profile.model, 4096) * tokens_per_s / (plan.world_size * 989e12)
+    )
     assert p["mfu"] == pytest.approx(expected, rel=1e-12) and 0.1 < p["mfu"] < 1.0
     assert p["model_tflops_per_gpu"] == pytest.approx(p["mfu"] * 989, rel=1e-12)
     cpu = solver.solve(synthetic_profile(), ClusterSpec.parse("2", "cpu"), 8)
