@@ -1,12 +1,19 @@
 """Two CPU profiles of the same model, back to back, agree within a stated spread.
 
 What is compared: per layer kind, the sum over the profiled shapes (micro-batch 1 and 2, TP 1 and
-2) of the median forward + backward time. The tolerance is set for this shared two-core machine,
-where other engineers' test runs keep the load at 4-6: measured there (12 pairs each), block and
-head totals differed by up to 1.24x and whole profiles by up to 1.14x. We allow 1.5x per block and
-head and 1.25x for the whole profile. The embedding's totals are a few tens of microseconds, where
-cache and timer noise reached 1.45x; it is held to an absolute bound instead: the two embedding
-totals differ by less than 5% of the whole profile.
+2) of the median forward + backward time.
+
+Two kinds of difference are told apart, because they have different causes. The machine's own
+speed drifts: on this shared two-core machine 12 back-to-back pairs differed by up to 1.37x, and a
+fresh CI machine once took the first profile 1.28x slower while an earlier test's processes wound
+down; in every such pair block, head and whole profile moved together (within 8% of one another).
+The profiler cannot control that, so the absolute bound is 1.5x either way per block, head and
+whole profile. The profiler's own noise (its warm-up, its discard of preempted runs, its medians)
+shows in the profile's shape instead, the block's time relative to the head's, which is what the
+planner's choices rest on: over the same pairs it moved by at most 8%, and it is held to 15%.
+The embedding's totals are a few tens of microseconds, where cache and timer noise reached 1.45x;
+it is held to an absolute bound instead: the two embedding totals differ by less than 5% of the
+whole profile.
 
 It stays meaningful: the same profile at four times the sequence length (block and head 3-5x
 slower) must fall outside the per-layer tolerance, so the comparison does not pass anything.
@@ -18,8 +25,8 @@ from costmodel.config import PRESETS
 from profiler.measure import measure_profile
 
 TINY = PRESETS["gpt-tiny"]
-PER_LAYER = 1.5  # allowed ratio either way for the block and the head
-WHOLE = 1.25  # allowed ratio either way for the sum over layer kinds
+PER_LAYER = 1.5  # allowed ratio either way for the block, the head and their sum: machine drift
+SHAPE = 1.15  # allowed ratio either way for the block's time relative to the head's
 EMBED_SHARE = 0.05  # allowed embedding difference, as a share of the whole profile
 
 
@@ -42,7 +49,9 @@ def test_a_second_profile_is_within_the_spread_of_the_first(first):
         ratio = second[name] / first[name]
         assert 1 / PER_LAYER <= ratio <= PER_LAYER, f"{name}: {ratio:.2f}x ({first} vs {second})"
     whole = sum(second.values()) / sum(first.values())
-    assert 1 / WHOLE <= whole <= WHOLE, f"whole profile: {whole:.2f}x ({first} vs {second})"
+    assert 1 / PER_LAYER <= whole <= PER_LAYER, f"whole profile: {whole:.2f}x ({first} vs {second})"
+    shape = (second["blocks.0"] / second["head"]) / (first["blocks.0"] / first["head"])
+    assert 1 / SHAPE <= shape <= SHAPE, f"block relative to head: {shape:.2f}x ({first} vs {second})"
     assert abs(second["embed"] - first["embed"]) < EMBED_SHARE * sum(first.values()), (first, second)
 
 
