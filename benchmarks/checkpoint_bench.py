@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from costmodel import PRESETS, Pipeline, Plan, Stage  # noqa: E402
+from costmodel.jsonio import write_json  # noqa: E402
 from costmodel.layout import device_pieces  # noqa: E402
 from costmodel.table import format_table  # noqa: E402
 from runtime.checkpoint import Checkpointer, load_checkpoint, wanted_for  # noqa: E402
@@ -484,8 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "dir")}
     summary["raw"] = results
     print(table(summary))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(args.out, summary)
     print(f"wrote {args.out}")
     return 0
 

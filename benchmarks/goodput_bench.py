@@ -20,7 +20,6 @@ benchmarks/results/goodput.json.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from costmodel.jsonio import write_json  # noqa: E402
 from costmodel.table import format_table  # noqa: E402
 
 PROFILE_ARGS = [
@@ -126,8 +126,7 @@ def main() -> None:
                     )
                 )
     print(format_table(rows))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from costmodel import PRESETS, ModelConfig, Plan
+from costmodel.jsonio import write_json
 from costmodel.layout import device_pieces
 from costmodel.table import format_table
 from runtime.elastic.launch import run_local_torchrun
@@ -684,7 +685,7 @@ def main() -> int:
         if part in parts:
             report[key] = rows
             report.setdefault("time_s_by_part", {})[part] = time.time()
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
     return 0
 

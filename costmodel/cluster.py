@@ -12,7 +12,31 @@ from typing import Any
 
 from costmodel.errors import ElastorError
 from costmodel.hardware import device_kind
-from costmodel.jsonio import SCHEMA_VERSION, check_schema, read_json, require
+from costmodel.jsonio import (
+    SCHEMA_VERSION,
+    check_schema,
+    is_integer,
+    is_number,
+    read_json,
+    require,
+    shown,
+    text,
+)
+
+# The most GPUs a cluster may have: eight times the 16,384 of the largest study here and past the
+# largest clusters reported (about 100,000 GPUs); the planner's tables grow with it, so a typo such
+# as --cluster 1000000000 is refused before it fills memory.
+MAX_CLUSTER_GPUS = 131_072
+# The most GPUs of one node, and one more than its highest GPU id: a node is one tensor-parallel
+# (NVLink) domain, and the largest shipped is a GB200 NVL72 rack's 72 GPUs.
+MAX_GPUS_PER_NODE = 72
+# Bounds on a device's and a link's figures, each a thousand times or more today's largest (an H200's
+# 141 GB, a B200's 2.25 PFLOP/s dense, NVLink 5's 900 GB/s), so a typo in a cluster file fails here
+# instead of overflowing the cost model's arithmetic. 2^60 bytes (an exbibyte) is also what the
+# runtime's memory accounting passes for "no bound".
+MAX_MEMORY_BYTES = 1 << 60
+MAX_PEAK_FLOPS = 1e18
+MAX_LINK_GBPS = 1e6
 
 _SHORT_FORM = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
 _DEVICE = re.compile(r"([^:]+):([0-9]+)")
@@ -25,8 +49,16 @@ class DeviceSpec:
     peak_flops: float
 
     def __post_init__(self) -> None:
-        if self.memory_bytes <= 0 or self.peak_flops <= 0:
-            raise ElastorError(f"Device kind {self.kind!r} needs positive memory_bytes and peak_flops.")
+        text(self.kind, "The cluster's device kind")
+        if not (
+            is_integer(self.memory_bytes, 1, MAX_MEMORY_BYTES)
+            and is_number(self.peak_flops, above=0, high=MAX_PEAK_FLOPS)
+        ):
+            raise ElastorError(
+                f"Device kind {self.kind!r} needs positive memory_bytes (an integer up to 2^60) and "
+                f"peak_flops (a finite number up to {MAX_PEAK_FLOPS:g}), not {shown(self.memory_bytes)} "
+                f"and {shown(self.peak_flops)}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,10 +67,13 @@ class NodeSpec:
     gpus: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not self.name or ":" in self.name:
-            raise ElastorError(f"Node name {self.name!r} must be non-empty and contain no ':'.")
-        if any(not isinstance(g, int) or g < 0 for g in self.gpus):
-            raise ElastorError(f"Node {self.name} lists GPU ids that are not non-negative integers.")
+        if not isinstance(self.name, str) or not self.name or ":" in self.name:
+            raise ElastorError(f"Node name {shown(self.name)} must be non-empty and contain no ':'.")
+        if not all(is_integer(g, 0, MAX_GPUS_PER_NODE - 1) for g in self.gpus):
+            raise ElastorError(
+                f"Node {self.name} lists GPU ids that are not non-negative integers below "
+                f"{MAX_GPUS_PER_NODE}: {shown(list(self.gpus))}."
+            )
         if len(set(self.gpus)) != len(self.gpus):
             raise ElastorError(f"Node {self.name} lists a GPU twice.")
         object.__setattr__(self, "gpus", tuple(sorted(self.gpus)))
@@ -58,8 +93,14 @@ class LinkSpec:
     collectives: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
-            raise ElastorError("Cluster links need positive intra_node_gbps and inter_node_gbps.")
+        links = (self.intra_node_gbps, self.inter_node_gbps)
+        if not all(is_number(gbps, above=0, high=MAX_LINK_GBPS) for gbps in links):
+            raise ElastorError(
+                "Cluster links need positive intra_node_gbps and inter_node_gbps (finite numbers up to "
+                f"{MAX_LINK_GBPS:,.0f}), not {shown(self.intra_node_gbps)} and {shown(self.inter_node_gbps)}."
+            )
+        if not isinstance(self.collectives, dict):
+            raise ElastorError("The cluster's links.collectives must be an object of fits per collective.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +110,7 @@ class ClusterSpec:
     links: LinkSpec
 
     def __post_init__(self) -> None:
+        _check_counts([len(n.gpus) for n in self.nodes])
         names = [n.name for n in self.nodes]
         if len(set(names)) != len(names):
             raise ElastorError("The cluster names a node twice.")
@@ -106,6 +148,7 @@ class ClusterSpec:
     @classmethod
     def from_counts(cls, counts: list[int], kind: str) -> "ClusterSpec":
         """Nodes n0, n1, ... with GPUs 0..count-1 each, links and device from the kind's table."""
+        _check_counts(counts)
         hw = device_kind(kind)
         return cls(
             device=DeviceSpec(kind=hw.kind, memory_bytes=hw.memory_bytes, peak_flops=hw.peak_flops),
@@ -114,14 +157,17 @@ class ClusterSpec:
         )
 
     @classmethod
-    def parse(cls, text: str, kind: str = "H100-80GB") -> "ClusterSpec":
+    def parse(cls, spec: str, kind: str = "H100-80GB") -> "ClusterSpec":
         """`"8,8,7"` (with the device `kind` of the profile) or the path of a cluster JSON file."""
-        if _SHORT_FORM.match(text):
-            return cls.from_counts([int(c) for c in text.split(",")], kind)
-        if Path(text).suffix == ".json" or Path(text).is_file():
-            return cls.from_json(read_json(text, "cluster"))
+        if _SHORT_FORM.match(spec):
+            counts = spec.split(",")
+            if any(len(c.strip()) > 9 for c in counts):  # past every bound: no need to read it exactly
+                raise ElastorError(f"Cluster {shown(spec)} names a node of more GPUs than any node has.")
+            return cls.from_counts([int(c) for c in counts], kind)
+        if Path(spec).suffix == ".json" or Path(spec).is_file():
+            return cls.from_json(read_json(spec, "cluster"))
         raise ElastorError(
-            f"Cluster {text!r} is neither healthy GPUs per node like 8,8,7 nor a cluster JSON file."
+            f"Cluster {shown(spec)} is neither healthy GPUs per node like 8,8,7 nor a cluster JSON file."
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -158,17 +204,47 @@ class ClusterSpec:
                     f"Cluster node {n['name']}'s gpus must be a list of GPU ids like [0, 1, 2], "
                     f"not {n['gpus']!r}."
                 )
+        _check_counts([len(n["gpus"]) for n in data["nodes"]])
+        if not isinstance(links.get("collectives", {}), dict):
+            raise ElastorError("The cluster's links.collectives must be an object of fits per collective.")
         return cls(
             device=DeviceSpec(
-                kind=dev["kind"], memory_bytes=int(dev["memory_bytes"]), peak_flops=float(dev["peak_flops"])
+                kind=dev["kind"], memory_bytes=_whole(dev["memory_bytes"]), peak_flops=dev["peak_flops"]
             ),
             nodes=tuple(NodeSpec(name=n["name"], gpus=tuple(n["gpus"])) for n in data["nodes"]),
             links=LinkSpec(
-                intra_node_gbps=float(links["intra_node_gbps"]),
-                inter_node_gbps=float(links["inter_node_gbps"]),
+                intra_node_gbps=links["intra_node_gbps"],
+                inter_node_gbps=links["inter_node_gbps"],
                 collectives=dict(links.get("collectives", {})),
             ),
         )
+
+
+def _whole(value):
+    """A byte count as written by hand: `8e10` is the integer it spells (files that loaded before
+    the field was checked keep loading); anything else is left for the field's check to refuse."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+def check_size(num_nodes: int, most_per_node: int, total: int) -> None:
+    """Refuse, in one sentence and before anything is built, a cluster of more than MAX_GPUS_PER_NODE
+    GPUs on a node, or more than MAX_CLUSTER_GPUS GPUs (or nodes) in all."""
+    if num_nodes > MAX_CLUSTER_GPUS:
+        raise ElastorError(
+            f"The cluster has {num_nodes:,} nodes; Elastor plans at most {MAX_CLUSTER_GPUS:,}."
+        )
+    if most_per_node > MAX_GPUS_PER_NODE:
+        raise ElastorError(
+            f"A node of {most_per_node:,} GPUs has more than the {MAX_GPUS_PER_NODE} a node may have."
+        )
+    if total > MAX_CLUSTER_GPUS:
+        raise ElastorError(f"The cluster has {total:,} GPUs; Elastor plans at most {MAX_CLUSTER_GPUS:,}.")
+
+
+def _check_counts(counts: list[int]) -> None:
+    check_size(len(counts), max(counts, default=0), sum(counts))
 
 
 def parse_device(device: str) -> tuple[str, int]:

@@ -11,7 +11,24 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.errors import ElastorError
-from costmodel.jsonio import read_json, require
+from costmodel.jsonio import is_integer, is_number, read_json, require, shown, text
+
+# The largest value each integer field may take: a generous multiple of the largest published
+# model's (Llama 3 405B: hidden 16,384, MLP 53,248, 126 blocks, 128 heads; Gemma's 256,000-token
+# vocabulary; million-token contexts), so a typo or a hostile file fails here, not by building a
+# billion-entry layer list or weight matrix further on.
+MAX_FIELD = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_blocks": 1 << 12,
+    "num_heads": 1 << 12,
+    "num_kv_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "max_seq_len": 1 << 24,
+}
+# Rotary bases in use run from 10^4 (Llama 2) to 5 x 10^5 (Llama 3) and 10^6 (long-context models).
+MAX_ROPE_THETA = 1e12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +49,37 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.num_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_blocks", "num_heads")
-        for field in (*positive, "num_kv_heads", "head_dim", "max_seq_len"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+        """The one check of every field's type and range (presets, model blocks, HF configs)."""
+        text(self.name, "A model's name")
+        for field, high in MAX_FIELD.items():
+            value, low = getattr(self, field), 0 if field == "head_dim" else 1
+            if not is_integer(value, low, high):
+                bound = f" of at most {high:,}" if is_integer(value, low) else ""
                 raise ElastorError(
-                    f"Model {self.name!r} needs a positive integer {field}, not {getattr(self, field)!r}."
+                    f"Model {self.name!r} needs a positive integer {field}{bound}, not {shown(value)}."
                 )
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim == 0:
+            raise ElastorError(
+                f"Model {self.name!r} has {self.num_heads} heads of {self.hidden_size} // "
+                f"{self.num_heads} = 0 dimensions; give it fewer heads or a head_dim."
+            )
+        # floats: norms divide by sqrt(mean + eps); rotary angles are position / theta^(2i/d)
+        eps, theta = self.norm_eps, self.rope_theta
+        if not (is_number(eps, above=0, high=1) and is_number(theta, above=0, high=MAX_ROPE_THETA)):
+            if is_number(eps, high=0) or is_number(theta, high=0):
+                raise ElastorError(f"Model {self.name!r} needs positive norm_eps and rope_theta.")
+            raise ElastorError(
+                f"Model {self.name!r} needs a finite norm_eps of at most 1 and a finite rope_theta of at "
+                f"most {MAX_ROPE_THETA:g}, not {shown(eps)} and {shown(theta)}."
+            )
+        object.__setattr__(self, "norm_eps", float(eps))
+        object.__setattr__(self, "rope_theta", float(theta))
+        if not isinstance(self.tie_embeddings, bool):
+            raise ElastorError(
+                f"Model {self.name!r} needs tie_embeddings true or false, not {shown(self.tie_embeddings)}."
+            )
         if self.num_heads % self.num_kv_heads:
             raise ElastorError(
                 f"Model {self.name!r} has {self.num_heads} attention heads, which its "
@@ -50,8 +90,6 @@ class ModelConfig:
                 f"Model {self.name!r} has an odd head dimension {self.head_dim}; "
                 "rotary embeddings need an even one."
             )
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ElastorError(f"Model {self.name!r} needs positive norm_eps and rope_theta.")
 
     # ---- the layer list -------------------------------------------------------------------------
     @property
@@ -136,11 +174,15 @@ class ModelConfig:
                 raise ElastorError(
                     f"The Hugging Face config {name!r} sets {flag}; Elastor's Llama model has no biases."
                 )
-        if data.get("rope_scaling"):
+        if data.get("rope_scaling"):  # absent, null or {}: no scaling
             raise ElastorError(
                 f"The Hugging Face config {name!r} uses rope_scaling, which Elastor does not implement yet."
             )
         heads = data["num_attention_heads"]
+
+        def given(key: str, default: Any) -> Any:  # null in a Hugging Face config means "the default"
+            return default if data.get(key) is None else data[key]
+
         return cls(
             name=name,
             vocab_size=data["vocab_size"],
@@ -148,12 +190,12 @@ class ModelConfig:
             intermediate_size=data["intermediate_size"],
             num_blocks=data["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=data.get("num_key_value_heads") or heads,
-            head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-            max_seq_len=data.get("max_position_embeddings", 2048),
-            norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_theta=float(data.get("rope_theta", 10000.0)),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            num_kv_heads=given("num_key_value_heads", heads),
+            head_dim=given("head_dim", 0),  # 0: hidden_size // num_heads
+            max_seq_len=given("max_position_embeddings", 2048),
+            norm_eps=given("rms_norm_eps", 1e-6),
+            rope_theta=given("rope_theta", 10000.0),
+            tie_embeddings=given("tie_word_embeddings", False),
         )
 
     def to_hf_config(self) -> dict[str, Any]:

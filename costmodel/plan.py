@@ -16,7 +16,7 @@ from typing import Any
 from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
-from costmodel.jsonio import SCHEMA_VERSION, check_schema, require
+from costmodel.jsonio import SCHEMA_VERSION, check_schema, is_integer, is_number, require, shown
 from costmodel.table import format_table
 
 
@@ -34,6 +34,10 @@ SHARDING = ("none", "zero1")  # optimizer state: on every holder, or sliced over
 # Gradient buckets hold at most this many bytes of fp32 main gradient (DDP's default bucket cap,
 # 25 MiB): small enough that reductions start early in backward, large enough to fill the links.
 BUCKET_BYTES = 25 << 20
+# The most samples a step may have: 256 times the 4,096 of the largest study here; the planner and the
+# cost model build tables that grow with the batch, so 10^9 is refused here rather than after
+# gigabytes of them.
+MAX_GLOBAL_BATCH_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -185,8 +189,13 @@ class Pipeline:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Pipeline":
         require(data, "pipeline", "num_microbatches", "stages")
-        if not isinstance(data["num_microbatches"], int) or not isinstance(data["stages"], list):
-            raise ElastorError("A pipeline needs an integer num_microbatches and a list of stages.")
+        if not is_integer(data["num_microbatches"], high=MAX_GLOBAL_BATCH_SIZE) or not isinstance(
+            data["stages"], list
+        ):
+            raise ElastorError(
+                f"A pipeline needs an integer num_microbatches of at most {MAX_GLOBAL_BATCH_SIZE:,} and a "
+                "list of stages."
+            )
         return cls(
             num_microbatches=data["num_microbatches"],
             stages=tuple(Stage.from_json(s) for s in data["stages"]),
@@ -369,10 +378,24 @@ class Plan:
         check_schema(data, "plan")
         require(data, "plan", "model", "global_batch_size", "micro_batch_size", "seq_len", "pipelines")
         for key in ("global_batch_size", "micro_batch_size", "seq_len"):
-            if not isinstance(data[key], int):
-                raise ElastorError(f"The plan's {key} must be an integer, not {data[key]!r}.")
+            if not is_integer(data[key]):
+                raise ElastorError(f"The plan's {key} must be an integer, not {shown(data[key])}.")
+        for key in ("global_batch_size", "micro_batch_size"):
+            if data[key] > MAX_GLOBAL_BATCH_SIZE:
+                raise ElastorError(
+                    f"The plan's {key} {shown(data[key])} is more than the {MAX_GLOBAL_BATCH_SIZE:,} "
+                    "samples a step may have."
+                )
         if not isinstance(data["pipelines"], list):
             raise ElastorError("The plan's pipelines must be a list.")
+        for key in ("predicted", "solver"):
+            if not isinstance(data.get(key, {}), dict | None):
+                raise ElastorError(f"The plan's {key} must be an object, not {shown(data[key])}.")
+        recorded = (data.get("predicted") or {}).get("step_time_s")
+        if recorded is not None and not is_number(recorded, above=0):
+            raise ElastorError(
+                f"The plan's predicted step_time_s must be a positive finite number, not {shown(recorded)}."
+            )
         return cls(
             model=ModelConfig.from_json(data["model"]),
             global_batch_size=data["global_batch_size"],

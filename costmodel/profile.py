@@ -13,10 +13,16 @@ from typing import Any
 
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
-from costmodel.jsonio import SCHEMA_VERSION, check_schema, require
+from costmodel.jsonio import SCHEMA_VERSION, check_schema, is_integer, is_number, require, shown, text
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOURCES = ("cpu", "cuda", "analytic")
+# Bounds on one layer's figures, far past any real layer's (llama3-70b's block: milliseconds, and
+# gigabytes of activations at the largest micro-batches), so a typo fails here instead of
+# overflowing the cost model's arithmetic.
+MAX_LAYER_BYTES = 1 << 50
+MAX_LAYER_S = 1e6
+MAX_LAYER_FLOPS = 1e24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,10 +43,22 @@ class LayerCost:
     optimizer_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.micro_batch_size < 1 or self.tp_degree < 1:
-            raise ElastorError("A layer cost needs micro_batch_size and tp_degree of at least 1.")
-        if min(self.fwd_s, self.bwd_s, self.activation_bytes, self.optimizer_s or 0.0) < 0:
-            raise ElastorError("A layer cost has a negative time or byte count.")
+        if not (is_integer(self.micro_batch_size, 1) and is_integer(self.tp_degree, 1)):
+            raise ElastorError(
+                "A layer cost needs integer micro_batch_size and tp_degree of at least 1, not "
+                f"{shown(self.micro_batch_size)} and {shown(self.tp_degree)}."
+            )
+        counts = {"activation_bytes": self.activation_bytes, "transient_bytes": self.transient_bytes}
+        for name, value in counts.items():
+            if not is_integer(value, 0, MAX_LAYER_BYTES):
+                raise ElastorError(f"A layer cost has {name} {shown(value)}, not an integer in 0..2^50.")
+        figures = {"fwd_flops": MAX_LAYER_FLOPS, "optimizer_s": MAX_LAYER_S}
+        for name in ("fwd_s", "bwd_s", "fwd_spread_s", "bwd_spread_s", "fwd_flops", "optimizer_s"):
+            value, high = getattr(self, name), figures.get(name, MAX_LAYER_S)
+            if not (value is None and name == "optimizer_s") and not is_number(value, 0, high):
+                raise ElastorError(
+                    f"A layer cost has {name} {shown(value)}, not a finite number in 0..{high:g}."
+                )
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -49,16 +67,16 @@ class LayerCost:
     def from_json(cls, data: dict[str, Any]) -> "LayerCost":
         require(data, "layer cost", "micro_batch_size", "tp_degree", "fwd_s", "bwd_s", "activation_bytes")
         return cls(
-            micro_batch_size=int(data["micro_batch_size"]),
-            tp_degree=int(data["tp_degree"]),
-            fwd_s=float(data["fwd_s"]),
-            bwd_s=float(data["bwd_s"]),
-            activation_bytes=int(data["activation_bytes"]),
-            fwd_spread_s=float(data.get("fwd_spread_s", 0.0)),
-            bwd_spread_s=float(data.get("bwd_spread_s", 0.0)),
-            fwd_flops=float(data.get("fwd_flops", 0.0)),
-            transient_bytes=int(data.get("transient_bytes", 0)),
-            optimizer_s=None if data.get("optimizer_s") is None else float(data["optimizer_s"]),
+            micro_batch_size=data["micro_batch_size"],
+            tp_degree=data["tp_degree"],
+            fwd_s=data["fwd_s"],
+            bwd_s=data["bwd_s"],
+            activation_bytes=data["activation_bytes"],
+            fwd_spread_s=data.get("fwd_spread_s", 0.0),
+            bwd_spread_s=data.get("bwd_spread_s", 0.0),
+            fwd_flops=data.get("fwd_flops", 0.0),
+            transient_bytes=data.get("transient_bytes", 0),
+            optimizer_s=data.get("optimizer_s"),
         )
 
 
@@ -80,11 +98,17 @@ class LayerProfile:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "LayerProfile":
         require(data, "profile layer", "name", "param_count")
+        output_bytes, costs = data.get("output_bytes_per_sample", 0), data.get("costs", [])
+        if not is_integer(output_bytes, 0, MAX_LAYER_BYTES) or not isinstance(costs, list):
+            raise ElastorError(
+                f"The profile layer {shown(data['name'])} needs an integer output_bytes_per_sample of at "
+                "least 0 and a list of costs."
+            )
         return cls(
             name=data["name"],
-            param_count=int(data["param_count"]),
-            output_bytes_per_sample=int(data.get("output_bytes_per_sample", 0)),
-            costs=tuple(LayerCost.from_json(c) for c in data.get("costs", [])),
+            param_count=data["param_count"],
+            output_bytes_per_sample=output_bytes,
+            costs=tuple(LayerCost.from_json(c) for c in costs),
         )
 
 
@@ -100,7 +124,13 @@ class ModelProfile:
     method: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
+        text(self.device_kind, "The profile's device_kind")
+        if not is_integer(self.seq_len, 1, self.model.max_seq_len):
+            raise ElastorError(
+                f"The profile's seq_len must be an integer in 1..{self.model.max_seq_len} (the model's "
+                f"maximum), not {shown(self.seq_len)}."
+            )
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise ElastorError(f"Profile dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}.")
         if self.source not in SOURCES:
             raise ElastorError(f"Profile source {self.source!r} is not one of {', '.join(SOURCES)}.")
@@ -152,10 +182,12 @@ class ModelProfile:
     def from_json(cls, data: dict[str, Any]) -> "ModelProfile":
         check_schema(data, "profile")
         require(data, "profile", "model", "device_kind", "seq_len", "layers")
+        if not isinstance(data["layers"], list) or not isinstance(data.get("method", {}), dict):
+            raise ElastorError("The profile's layers must be a list and its method an object.")
         return cls(
             model=ModelConfig.from_json(data["model"]),
             device_kind=data["device_kind"],
-            seq_len=int(data["seq_len"]),
+            seq_len=data["seq_len"],
             dtype=data.get("dtype", "float32"),
             source=data.get("source", "analytic"),
             method=dict(data.get("method", {})),

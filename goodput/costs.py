@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from costmodel import ElastorError, ModelConfig
+from costmodel.jsonio import is_number
 
 DETECT_S = 10.0
 PLAN_S = 1.0
@@ -51,8 +52,8 @@ class RecoveryCosts:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if name != "source" and (not isinstance(value, int | float) or value < 0):
-                raise ElastorError(f"Recovery cost {name} must be a non-negative number of seconds.")
+            if name != "source" and not is_number(value, low=0):
+                raise ElastorError(f"Recovery cost {name} must be a non-negative finite number of seconds.")
 
     @classmethod
     def defaults_for(cls, model: ModelConfig, num_gpus: int, num_pipelines: int) -> "RecoveryCosts":
@@ -78,7 +79,9 @@ class RecoveryCosts:
                 f"The costs file has unknown field(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(fields))}."
             )
-        values = {k: float(v) for k, v in data.items() if k in fields}
+        values = {k: v for k, v in data.items() if k in fields}  # checked by __post_init__
+        if not is_number(values.get("load_s", 0.0), low=0):
+            raise ElastorError("Recovery cost load_s must be a non-negative finite number of seconds.")
         if "load_s" in values and "reshard_load_s" not in values:
             values["reshard_load_s"] = values["load_s"] * RESHARD_FACTOR
         return replace(self, **values, source=source)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
-from costmodel.jsonio import read_json
+from costmodel.jsonio import atomic_output, output_dir, read_json, write_atomic
 from goodput.costs import RecoveryCosts
 from goodput.failures import FailureModel
 from goodput.plans import CachedOracle, SolverOracle, signature
@@ -140,16 +140,16 @@ def run_experiment(
 
 def write_outputs(outcome: Outcome, study: Study, out_dir: str, timeline_days: float = 7.0) -> list[Path]:
     """CSV files and PNG plots of everything the outcome holds; returns the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out_dir)
     written = []
 
     def save_csv(frame: pd.DataFrame, name: str) -> None:
-        frame.to_csv(out / name, index=False)
+        write_atomic(out / name, frame.to_csv(index=False).encode())
         written.append(out / name)
 
     def save_png(fig, name: str) -> None:
-        fig.savefig(out / name, dpi=120)
+        with atomic_output(out / name) as f:
+            fig.savefig(f, format="png", dpi=120)
         written.append(out / name)
 
     save_csv(outcome.runs, "runs.csv")

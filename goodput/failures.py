@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from costmodel import ElastorError
+from costmodel.jsonio import is_number, shown
 
 SCOPES = ("gpu", "node", "job")
 GPU, NODE, JOB = 0, 1, 2
@@ -54,6 +55,11 @@ LLAMA3_GPUS = 16_384
 LLAMA3_GPUS_PER_NODE = 8
 LLAMA3_HOURS = 54 * 24
 LLAMA3_COUNTS = {"gpu": 268, "node": 88, "job": 63}
+# Weibull shapes outside this range make the mean-preserving scale 1 / Gamma(1 + 1/k) overflow or
+# vanish; fits of hardware lifetimes lie between 0.5 and 1. (`elastor simulate --help` states it.)
+WEIBULL_SHAPES = (0.1, 10.0)
+# A lognormal repair shape past 5 puts the median e^12.5 times below the mean: no repair process.
+MAX_REPAIR_SIGMA = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,14 +78,25 @@ class FailureModel:
 
     def __post_init__(self) -> None:
         rates = (self.gpu_per_gpu_hour, self.node_per_node_hour, self.job_per_gpu_hour)
-        if min(rates) < 0:
-            raise ElastorError("Failure rates must be non-negative.")
+        if not all(is_number(rate, low=0) for rate in rates):
+            raise ElastorError(f"Failure rates must be non-negative finite numbers, not {shown(rates)}.")
         if self.distribution not in ("exponential", "weibull"):
-            raise ElastorError(f"Failure distribution {self.distribution!r} is not exponential or weibull.")
-        if self.weibull_shape <= 0 or min(self.gpu_repair_mean_h, self.node_repair_mean_h) <= 0:
-            raise ElastorError("The Weibull shape and the mean repair times must be positive.")
-        if self.repair_sigma < 0:
-            raise ElastorError("The lognormal repair_sigma must be non-negative.")
+            raise ElastorError(
+                f"Failure distribution {shown(self.distribution)} is not exponential or weibull."
+            )
+        repairs = (self.gpu_repair_mean_h, self.node_repair_mean_h)
+        if not is_number(self.weibull_shape, *WEIBULL_SHAPES) or not all(
+            is_number(h, above=0) for h in repairs
+        ):
+            raise ElastorError(
+                f"The Weibull shape must lie in {WEIBULL_SHAPES[0]:g}..{WEIBULL_SHAPES[1]:g} and the mean "
+                f"repair times must be positive, not {shown(self.weibull_shape)} and {shown(repairs)}."
+            )
+        if not is_number(self.repair_sigma, 0, MAX_REPAIR_SIGMA):
+            raise ElastorError(
+                f"The lognormal repair_sigma must lie in 0..{MAX_REPAIR_SIGMA:g}, "
+                f"not {shown(self.repair_sigma)}."
+            )
 
     @classmethod
     def llama3(cls, **overrides: Any) -> "FailureModel":

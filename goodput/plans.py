@@ -116,8 +116,14 @@ class CachedOracle:
         self._file: dict[str, Any] = {"schema_version": 1, "plans": {}}
         if path and Path(path).exists():
             self._file = read_json(path, "plan cache")
-            for key, point in self._file["plans"].get(context, {}).items():
-                self._cache[_parse_key(key)] = None if point is None else PlanPoint.from_json(point)
+            plans = self._file.get("plans")
+            if not isinstance(plans, dict) or not all(isinstance(v, dict) for v in plans.values()):
+                raise ElastorError(f"The plan cache {path} is not one Elastor wrote; delete it.")
+            try:
+                for key, point in plans.get(context, {}).items():
+                    self._cache[_parse_key(key)] = None if point is None else PlanPoint.from_json(point)
+            except (KeyError, TypeError, ValueError):
+                raise ElastorError(f"The plan cache {path} is not one Elastor wrote; delete it.") from None
 
     def __call__(self, sig: Signature) -> PlanPoint | None:
         self.calls += 1

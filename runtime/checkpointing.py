@@ -7,42 +7,104 @@ reads only the boxes its new shards need.
 """
 
 import os
+import sys
 import time
 from pathlib import Path
 
-from runtime.checkpoint import Checkpointer, Wanted, latest_checkpoint, load_checkpoint
+import torch
+import torch.distributed as dist
+
+from costmodel.plan import Plan
+from runtime.checkpoint import Checkpointer, CheckpointError, Wanted, load_checkpoint
 from runtime.checkpoint.format import parse_step_dir
+from runtime.checkpoint.load import ModelMismatch
+from runtime.checkpoint.store import committed, set_aside
 from runtime.elastic import faults
 from runtime.metrics import MetricsWriter
-from runtime.state import restore_training_state, state_pieces, training_state
+from runtime.state import check_meta, restore_training_state, state_pieces, training_state
 from runtime.trainer import StepResult, Trainer
 
 
 def resume(trainer: Trainer, ckpt_dir: Path, metrics: MetricsWriter | None) -> bool:
-    """Load the newest complete checkpoint of `ckpt_dir` into `trainer`, resharding it; False if none."""
-    path = latest_checkpoint(ckpt_dir)
-    if path is None:
-        return False
+    """Load the newest complete checkpoint of `ckpt_dir` that every rank can read into `trainer`,
+    resharding it; False if there is none.
+
+    A checkpoint that fails its checks on any rank (a bad CRC in the boxes one rank reads, a
+    damaged manifest, metadata that is not the runtime's, an I/O error) is skipped by every rank:
+    after each attempt the ranks agree (one all-reduce) on whether anyone failed and on which
+    checkpoint they tried, so they never resume from different steps, and a file system whose
+    listing differs between ranks stops the job instead. Rank 0 then renames the skipped
+    checkpoint to `<name>.damaged`, so that it is neither tried again nor counted by the retention
+    of the saves that follow; the skip is printed and recorded as a `checkpoint_skipped` event. A
+    checkpoint of another model is not skipped but refused: the directory is another model's.
+    """
+    candidates = committed(ckpt_dir)
     started = time.perf_counter()
     pieces = state_pieces(trainer)
     wanted = [
         Wanted(p.name, p.global_shape, p.offsets, tuple(p.tensor.shape), p.tensor.dtype) for p in pieces
     ]
-    tensors, meta = load_checkpoint(path, wanted, model=trainer.plan.model)
-    restore_training_state(
-        trainer, {(w.name, w.offsets): t for w, t in zip(wanted, tensors, strict=True)}, meta
-    )
-    if metrics:
-        saved_under = meta["plan"]
-        metrics.event(
-            "restored",
-            step=trainer.step,
-            load_s=time.perf_counter() - started,
-            checkpoint=path.name,
-            saved_devices=sum(len(s["devices"]) for p in saved_under["pipelines"] for s in p["stages"]),
-            devices=trainer.plan.world_size,
+    _agree(trainer, 0, len(candidates), ckpt_dir)
+    for path in reversed(candidates):
+        problem, tensors, meta = None, None, None
+        try:
+            tensors, meta = load_checkpoint(path, wanted, model=trainer.plan.model)
+            check_meta(meta, path)
+        except ModelMismatch:
+            raise
+        except (CheckpointError, OSError) as e:
+            problem = str(e)
+        step, revision = parse_step_dir(path.name)
+        failed = _agree(trainer, int(problem is not None), step * 1_000_000 + revision, ckpt_dir)
+        if failed is not None:
+            reason = problem or f"rank {failed} could not read its part of it (its error is in its log)"
+            aside = set_aside(path) if trainer.ctx.rank == 0 else None
+            moved = f"; moved to {aside}" if aside else ""
+            _say(trainer, f"skipping the checkpoint {path}: {reason.rstrip('.')}{moved}.")
+            if metrics:
+                metrics.event("checkpoint_skipped", checkpoint=path.name, reason=reason)
+            continue
+        restore_training_state(
+            trainer, {(w.name, w.offsets): t for w, t in zip(wanted, tensors, strict=True)}, meta
         )
-    return True
+        if metrics:
+            metrics.event(
+                "restored",
+                step=trainer.step,
+                load_s=time.perf_counter() - started,
+                checkpoint=path.name,
+                saved_devices=Plan.from_json(meta["plan"]).world_size,
+                devices=trainer.plan.world_size,
+            )
+        return True
+    if candidates:
+        raise CheckpointError(
+            f"None of the {len(candidates)} checkpoint(s) in {ckpt_dir} can be read (the lines above say "
+            "why; each was renamed to <name>.damaged); restore an intact copy, or run again to start afresh."
+        )
+    return False
+
+
+def _agree(trainer: Trainer, failed: int, key: int, ckpt_dir: Path) -> int | None:
+    """One all-reduce: the lowest rank whose `failed` is set (None if none), after checking that
+    every rank has the same `key` (the checkpoint tried, or how many there are)."""
+    rank, world = trainer.ctx.rank, trainer.ctx.world_size
+    values = [rank if failed else world, key, -key]
+    if world > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        reduced = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MIN)
+        values = reduced.tolist()
+    if values[1] != -values[2]:
+        raise CheckpointError(
+            f"The ranks see different checkpoints in {ckpt_dir}; every rank must see the same directory "
+            "(a file system whose listing lags on some hosts cannot hold --ckpt-dir)."
+        )
+    return None if values[0] == world else values[0]
+
+
+def _say(trainer: Trainer, line: str) -> None:
+    print(f"elastor train: rank {trainer.ctx.rank}: {line}", file=sys.stderr, flush=True)
 
 
 class CheckpointHook:

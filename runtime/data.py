@@ -50,6 +50,11 @@ class TokenFile:
         if not p.is_file():
             raise ElastorError(f"The data file {p} does not exist.")
         if p.suffix == ".bin":
+            size = p.stat().st_size
+            if size == 0 or size % 2:
+                raise ElastorError(
+                    f"The data file {p} holds {size} bytes, not a whole number of 2-byte uint16 tokens."
+                )
             self.tokens = np.memmap(p, dtype=np.uint16, mode="r")
             self.kind = "uint16"
         else:

@@ -9,10 +9,12 @@ clipped to `grad_clip` by their global norm with torch's formula, coef = clip / 
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+
+from costmodel.errors import ElastorError
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 
@@ -28,6 +30,32 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        """Refuse, in one sentence, what would train to NaN or ascend: every field finite, in range."""
+        bounds = {  # field: (lowest, highest, whether the lowest is allowed)
+            "lr": (0.0, 10.0, False),
+            "min_lr": (0.0, 10.0, True),
+            "weight_decay": (0.0, 10.0, True),
+            "beta1": (0.0, 1.0, True),
+            "beta2": (0.0, 1.0, True),
+            "eps": (0.0, 1.0, False),
+            "grad_clip": (0.0, 1e6, True),
+        }
+        for name, (lo, hi, closed) in bounds.items():
+            value = getattr(self, name)
+            ok = type(value) in (int, float) and math.isfinite(value) and value <= hi
+            if not ok or value < lo or (value == lo and not closed):
+                side = "[" if closed else "("
+                raise ElastorError(
+                    f"The optimizer's {name} is {value!r}; it must be a number in {side}{lo}, {hi}]."
+                )
+        if max(self.beta1, self.beta2) >= 1.0:  # Adam's bias correction divides by 1 - beta^t
+            raise ElastorError(f"The optimizer's betas are {self.beta1}, {self.beta2}; each must be below 1.")
+        for name in ("warmup_steps", "decay_steps"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ElastorError(f"The optimizer's {name} is {value!r}; it must be a non-negative integer.")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (0-based)."""
@@ -47,6 +75,13 @@ class OptimConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "OptimConfig":
+        if not isinstance(data, dict):
+            raise ElastorError(
+                f"An optimizer configuration must be a JSON object, not {type(data).__name__}."
+            )
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ElastorError(f"The optimizer configuration has unknown field(s) {', '.join(unknown)}.")
         return cls(**data)
 
 

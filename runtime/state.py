@@ -35,6 +35,7 @@ import torch
 
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
+from costmodel.plan import Plan
 from runtime.data import SyntheticTokens
 from runtime.optim import OptimConfig
 
@@ -78,6 +79,55 @@ def training_state(trainer) -> tuple[list[StatePiece], dict[str, Any]]:
         "plan": trainer.plan.to_json(),
     }
     return state_pieces(trainer), meta
+
+
+def check_meta(meta: Any, where) -> None:
+    """Refuse, in one sentence, checkpoint metadata that `restore_training_state` could not use:
+    the manifest that carries it is checked for shape, and this checks its contents."""
+    from runtime.checkpoint.format import CheckpointError
+
+    def fail(what: str) -> CheckpointError:
+        return CheckpointError(f"The checkpoint {where} has unusable metadata: {what}.")
+
+    if not isinstance(meta, dict):
+        raise fail("it is not an object")
+    for key in ("step", "seed"):
+        if type(meta.get(key)) is not int or meta[key] < 0:
+            raise fail(f"{key} {meta.get(key)!r} is not a non-negative integer")
+    data, rng = meta.get("data"), meta.get("rng")
+    if not isinstance(data, dict) or type(data.get("cursor")) is not int or data["cursor"] < 0:
+        raise fail("its data cursor is not a non-negative integer")
+    if data.get("kind") == "synthetic" and type(data.get("seed")) is not int:
+        raise fail("its synthetic data has no integer seed")
+    if data.get("kind") != "synthetic" and not isinstance(data.get("path"), str):
+        raise fail(f"its data kind {data.get('kind')!r} names no file")
+    try:
+        OptimConfig.from_json(meta.get("lr_schedule"))
+        ModelConfig.from_json(meta.get("model"))
+        Plan.from_json(meta.get("plan"))
+    except (ElastorError, TypeError) as e:
+        raise fail(str(e).rstrip(".")) from None
+    if not isinstance(rng, dict) or not _valid_rng(rng):
+        raise fail("its random-number-generator states are not the ones a save writes")
+
+
+def _valid_rng(rng: dict[str, Any]) -> bool:
+    """Whether the saved generator states are ones `_set_rng_state` can set: Python's is tried on a
+    generator of its own, torch's are base64 of the right length."""
+    python = rng.get("python")
+    if not (isinstance(python, list) and len(python) == 3 and isinstance(python[1], list)):
+        return False
+    if python[2] is not None and type(python[2]) is not float:
+        return False
+    try:
+        random.Random().setstate((python[0], tuple(python[1]), python[2]))
+        cpu = _decode(rng.get("torch_cpu"))
+        cuda = rng.get("torch_cuda")
+        if cuda is not None:
+            _decode(cuda)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return cpu.numel() == torch.get_rng_state().numel()
 
 
 @torch.no_grad()

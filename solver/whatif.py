@@ -12,15 +12,20 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pandas as pd
 
 import solver
 from costmodel import ClusterSpec, ElastorError
+from costmodel.jsonio import atomic_output, shown
 from costmodel.profile import ModelProfile
 from costmodel.table import format_table
 
 PLACEMENTS = ("worst", "best", "random")
+# The most failure counts one sweep solves (times the methods): each is a solve of seconds, so 1,024
+# is already hours, and a range such as 0..1000000000 is refused before its list is built.
+MAX_FAILURE_COUNTS = 1024
 
 
 def failure_order(cluster: ClusterSpec, placement: str, seed: int = 0) -> list[str]:
@@ -40,17 +45,24 @@ def failure_order(cluster: ClusterSpec, placement: str, seed: int = 0) -> list[s
 
 
 def parse_range(text: str) -> list[int]:
-    """`"0..8"` -> [0, ..., 8]; `"3"` -> [3]; `"0,2,5"` -> [0, 2, 5]."""
+    """`"0..8"` -> [0, ..., 8]; `"3"` -> [3]; `"0,2,5"` -> [0, 2, 5]; at most MAX_FAILURE_COUNTS."""
     try:
         if ".." in text:
             lo, hi = (int(x) for x in text.split(".."))
-            values = list(range(lo, hi + 1))
+            count = hi - lo + 1
+            values = list(range(lo, hi + 1)) if count <= MAX_FAILURE_COUNTS else []
         else:
             values = [int(x) for x in text.split(",")]
+            count = len(values)
     except ValueError:
-        raise ElastorError(f"--fail {text!r} is not a range like 0..8 or a list like 0,2,4.") from None
+        raise ElastorError(f"--fail {shown(text)} is not a range like 0..8 or a list like 0,2,4.") from None
+    if count > MAX_FAILURE_COUNTS:
+        raise ElastorError(
+            f"--fail {shown(text)} names more failure counts than the {MAX_FAILURE_COUNTS:,} one sweep "
+            "solves."
+        )
     if not values or min(values) < 0:
-        raise ElastorError(f"--fail {text!r} must name failure counts of zero or more.")
+        raise ElastorError(f"--fail {shown(text)} must name failure counts of zero or more.")
     return values
 
 
@@ -166,7 +178,9 @@ def plot(frame: pd.DataFrame, path: str | None = None, ax=None, title: str | Non
     ax.grid(alpha=0.3)
     ax.legend()
     if path is not None:
-        (fig or ax.figure).savefig(path, dpi=120, bbox_inches="tight")
+        kind = Path(path).suffix[1:].lower() or "png"
+        with atomic_output(path) as f:
+            (fig or ax.figure).savefig(f, format=kind, dpi=120, bbox_inches="tight")
         if fig is not None:
             plt.close(fig)
     return ax

@@ -122,7 +122,7 @@ def save_in_process(directory, plan: Plan, step: int, salt: int, **options) -> N
     from runtime.checkpoint import Checkpointer
 
     checkpointers = [
-        Checkpointer(directory, plan, r, session="cafe", **options) for r in range(plan.world_size)
+        Checkpointer(directory, plan, r, session="00000000cafe", **options) for r in range(plan.world_size)
     ]
     for rank, checkpointer in enumerate(checkpointers):
         checkpointer.save(step, rank_pieces(plan, rank, salt=salt), {"step": step, "salt": salt})

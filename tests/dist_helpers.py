@@ -54,6 +54,30 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     ]
 
 
+def elastor_run(
+    tmp: Path,
+    *flags: str,
+    cluster: str = "1",
+    steps: int = 2,
+    profile: Path = REPO / "profiles" / "gpt-tiny-cpu.json",
+    global_batch_size: int = 4,
+) -> list[str]:
+    """The `elastor run` command line of a small simulated job whose files are under `tmp`."""
+    return [
+        sys.executable,
+        "-m",
+        "elastor",
+        "run",
+        f"--cluster={cluster}",
+        f"--profile={profile}",
+        f"--global-batch-size={global_batch_size}",
+        f"--steps={steps}",
+        f"--ckpt-dir={tmp / 'ckpt'}",
+        f"--metrics={tmp / 'metrics.jsonl'}",
+        *flags,
+    ]
+
+
 def run_env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if sys.platform.startswith("linux"):

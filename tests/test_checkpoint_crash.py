@@ -43,7 +43,7 @@ def test_sigkill_at_random_moments_never_loses_the_newest_complete_checkpoint(tm
         newest = latest_checkpoint(directory)
         first_step = 1 + (int(newest.name.split("-")[1]) if newest else 0)
         plan = random_plan(rng, world_size=rng.randint(1, 4))
-        session = f"{rng.getrandbits(40):010x}"
+        session = f"{rng.getrandbits(48):012x}"
         procs = [
             ctx.Process(
                 target=crash_worker, args=(r, plan.to_json(), str(directory), session, first_step, str(log))

@@ -31,7 +31,7 @@ def trained_looking_model(config, seed: int):
 def save_model(directory, model, plan) -> None:
     """Save `model`'s weights as `plan`'s ranks would hold them (with their tied copies)."""
     full = dict(model.named_parameters())
-    checkpointers = [Checkpointer(directory, plan, r, session="e") for r in range(plan.world_size)]
+    checkpointers = [Checkpointer(directory, plan, r, session="00000000000e") for r in range(plan.world_size)]
     for rank, checkpointer in enumerate(checkpointers):
         pieces = []
         for spec, box in device_pieces(plan, plan.devices[rank]):

@@ -135,7 +135,7 @@ def test_restore_fills_pieces_in_place(tmp_path):
     save_in_process(tmp_path, a, step=9, salt=9)
     for rank in range(b.world_size):
         pieces = rank_pieces(b, rank, salt=0)
-        meta = Checkpointer(tmp_path, b, rank, session="x").restore(pieces)
+        meta = Checkpointer(tmp_path, b, rank, session="00000000000a").restore(pieces)
         assert meta["step"] == 9
         for piece, want in zip(pieces, expected(wanted_for(b, rank), salt=9), strict=True):
             assert torch.equal(piece.tensor, want)
@@ -143,7 +143,7 @@ def test_restore_fills_pieces_in_place(tmp_path):
 
 def test_a_missing_rank_fails_the_save_without_committing(tmp_path):
     plan = random_plan(random.Random(8), world_size=2)
-    rank0 = Checkpointer(tmp_path, plan, 0, session="s", commit_timeout_s=0.3)
+    rank0 = Checkpointer(tmp_path, plan, 0, session="00000000000b", commit_timeout_s=0.3)
     rank0.save(1, rank_pieces(plan, 0), {})
     with pytest.raises(CheckpointError, match=r"Rank\(s\) 1 did not finish writing step 1"):
         rank0.wait()
@@ -152,7 +152,7 @@ def test_a_missing_rank_fails_the_save_without_committing(tmp_path):
 
 def test_ranks_that_save_different_kinds_of_state_fail_the_commit(tmp_path):
     plan = random_plan(random.Random(9), world_size=2)
-    ranks = [Checkpointer(tmp_path, plan, r, session="s") for r in range(2)]
+    ranks = [Checkpointer(tmp_path, plan, r, session="00000000000b") for r in range(2)]
     ranks[1].save(1, rank_pieces(plan, 1, optimizer=False), {})
     ranks[0].save(1, rank_pieces(plan, 0), {})
     ranks[1].wait()

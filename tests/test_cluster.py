@@ -73,6 +73,14 @@ def test_example_cluster_file():
     assert cluster.links.inter_node_gbps == 50
 
 
+def test_a_hand_written_whole_memory_size_in_float_notation_still_loads(tmp_path):
+    data = cluster_json()
+    data["device"]["memory_bytes"] = 8e10
+    write_json(tmp_path / "cluster.json", data)
+    memory = ClusterSpec.parse(str(tmp_path / "cluster.json")).device.memory_bytes
+    assert memory == 80_000_000_000 and type(memory) is int
+
+
 def test_cluster_json_round_trip(tmp_path):
     cluster = ClusterSpec.parse(str(CLUSTER_8_7))
     assert cluster.to_json() == cluster_json()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import launch
+from dist_helpers import elastor_run, launch
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
 from costmodel.jsonio import read_json, write_json
@@ -52,20 +52,15 @@ def profile_path(tmp_path_factory) -> Path:
 
 
 def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
-    command = [
-        sys.executable,
-        "-m",
-        "elastor",
-        "run",
-        f"--cluster={cluster}",
-        f"--profile={profile}",
-        f"--global-batch-size={GLOBAL_BATCH}",
-        f"--steps={steps}",
-        f"--ckpt-dir={tmp / 'ckpt'}",
+    command = elastor_run(
+        tmp,
         f"--ckpt-every={CKPT_EVERY}",
-        f"--metrics={tmp / 'metrics.jsonl'}",
         *flags,
-    ]
+        cluster=cluster,
+        steps=steps,
+        profile=profile,
+        global_batch_size=GLOBAL_BATCH,
+    )
     return launch(command, timeout=RUN_TIMEOUT_S)
 
 

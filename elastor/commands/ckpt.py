@@ -8,6 +8,7 @@ import sys
 from datetime import UTC, datetime
 
 from costmodel import ModelConfig, Plan
+from costmodel.jsonio import output_path
 from costmodel.table import format_table
 from elastor.commands import subcommand
 
@@ -31,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "export":
+        output_path(args.out)  # a bad --out fails before the checkpoint is read
     # Imported here: the checkpoint needs torch, which the other subcommands do not.
     from runtime.checkpoint.export import export_safetensors
     from runtime.checkpoint.format import Manifest
@@ -38,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.checkpoint.verify import verify_checkpoint
 
     if args.action == "inspect":
-        print(_inspect(Manifest.read(resolve(args.dir))))
+        manifest = Manifest.read(resolve(args.dir))
+        manifest.check_files()  # the sizes it lists are the ones on disk, read from regular files only
+        print(_inspect(manifest))
         return 0
     if args.action == "verify":
         report = verify_checkpoint(args.dir)

@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from costmodel.jsonio import output_dir
 from elastor.commands import subcommand
 
 
@@ -21,4 +22,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime.elastic.demo import run_demo
 
+    output_dir(args.out)  # an existing file or device is refused before anything runs
     return run_demo(Path(args.out))

@@ -7,6 +7,7 @@ from costmodel import ElastorError, Plan
 from costmodel.estimate import CostModel, Estimate
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
+from elastor.commands.argtypes import CLUSTER_BOUNDS
 from elastor.commands.plan import load_inputs
 
 GIB = 1 << 30
@@ -22,7 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="plan JSON file")
     p.add_argument("--profile", required=True, help="profile JSON (elastor profile)")
-    p.add_argument("--cluster", required=True, help='healthy GPUs per node ("8,8,7") or a cluster JSON file')
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
+    )
     p.set_defaults(run=run)
 
 

@@ -5,12 +5,20 @@ import sys
 
 import solver
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
+from costmodel.cluster import MAX_CLUSTER_GPUS, MAX_GPUS_PER_NODE
+from costmodel.config import MAX_FIELD
 from costmodel.estimate import CostModel
-from costmodel.jsonio import read_json, write_json
-from costmodel.plan import SHARDING
+from costmodel.jsonio import output_path, read_json, shown, write_json
+from costmodel.plan import MAX_GLOBAL_BATCH_SIZE, SHARDING
 from costmodel.table import format_table
 from elastor.commands import subcommand
+from elastor.commands.argtypes import CLUSTER_BOUNDS, GLOBAL_BATCH_SIZE, SOLVER_TIME_LIMIT_S, integer
 from solver.baselines import Grid
+
+TP = integer(1, MAX_GPUS_PER_NODE)  # a stage's devices sit on one node
+PP = integer(1, MAX_CLUSTER_GPUS)
+# Layer chunks per stage: each chunk holds at least one block, so no model has more.
+MAX_CHUNKS = MAX_FIELD["num_blocks"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,8 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "elastor plan --profile p7.json --cluster 8,7 --global-batch-size 128 --compare --out plan.json",
     )
     p.add_argument("--profile", required=True, help="profile JSON (elastor profile)")
-    p.add_argument("--cluster", required=True, help='healthy GPUs per node ("8,8,7") or a cluster JSON file')
-    p.add_argument("--global-batch-size", type=int, required=True, help="samples per training step")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=GLOBAL_BATCH_SIZE,
+        required=True,
+        help=f"samples per training step, an integer {GLOBAL_BATCH_SIZE}",
+    )
     p.add_argument(
         "--method", choices=solver.METHODS, default="elastor", help="planner (default: %(default)s)"
     )
@@ -40,10 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="1",
         help="layer chunks per stage: 1 (1F1B; default); auto: also search interleaved 1F1B with "
         "2-8 chunks per stage, chosen per pipeline (about three times the solve time); or a number V "
-        "(with --method uniform: every stage holds V chunks, Megatron's interleaved schedule)",
+        f"(with --method uniform: every stage holds V chunks, Megatron's interleaved schedule; V in "
+        f"1..{MAX_CHUNKS:,})",
     )
-    p.add_argument("--tp", type=int, help="with --method uniform: pin the TP degree of every stage")
-    p.add_argument("--pp", type=int, help="with --method uniform: pin the pipeline depth")
+    p.add_argument("--tp", type=TP, help=f"with --method uniform: pin the TP degree of every stage ({TP})")
+    p.add_argument("--pp", type=PP, help=f"with --method uniform: pin the pipeline depth ({PP})")
     p.add_argument(
         "--recompute",
         choices=solver.RECOMPUTE_PASSES,
@@ -51,13 +69,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--compare", action="store_true", help="also solve with every other method and compare")
     p.add_argument(
-        "--micro-batch-sizes", help="micro-batch sizes to consider, comma-separated (default: all profiled)"
+        "--micro-batch-sizes",
+        help=f"micro-batch sizes to consider, comma-separated, each in 1..{MAX_GLOBAL_BATCH_SIZE:,} "
+        "(default: all profiled)",
     )
     p.add_argument(
         "--time-limit",
-        type=float,
+        type=SOLVER_TIME_LIMIT_S,
         default=solver.DEFAULT_TIME_LIMIT_S,
-        help="seconds for the solver (default: %(default)s)",
+        help=f"seconds for the solver, {SOLVER_TIME_LIMIT_S} (default: %(default)s)",
     )
     p.add_argument("--out", required=True, help="the plan JSON to write")
     p.set_defaults(run=run)
@@ -72,21 +92,25 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelProfile, ClusterSpec]:
 def micro_batch_sizes(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and 1 <= int(part) <= MAX_GLOBAL_BATCH_SIZE for part in parts):
         raise ElastorError(
-            f"--micro-batch-sizes {text!r} is not a comma-separated list of integers."
-        ) from None
+            f"--micro-batch-sizes {shown(text)} is not a comma-separated list of integers in "
+            f"1..{MAX_GLOBAL_BATCH_SIZE:,}."
+        )
+    return [int(part) for part in parts]
 
 
 def chunks_arg(text: str) -> str:
-    if text == "auto" or (text.isdigit() and int(text) >= 1):
+    if text == "auto" or (text.isdigit() and len(text) < 10 and 1 <= int(text) <= MAX_CHUNKS):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a positive number of chunks")
+    raise argparse.ArgumentTypeError(
+        f"{shown(text)} is neither auto nor a number of chunks in 1..{MAX_CHUNKS:,}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    output_path(args.out)  # a bad --out fails now, not after the solve
     profile, cluster = load_inputs(args)
     sizes = micro_batch_sizes(args.micro_batch_sizes)
     sharding = SHARDING if args.sharding == "auto" else (args.sharding,)

@@ -8,19 +8,32 @@ import argparse
 import sys
 import time
 
-from costmodel.config import ModelConfig, load_model_config
+from costmodel.cluster import MAX_GPUS_PER_NODE
+from costmodel.config import MAX_FIELD, ModelConfig, load_model_config
 from costmodel.errors import ElastorError
 from costmodel.hardware import DEVICE_KINDS
-from costmodel.jsonio import write_json
-from costmodel.plan import DTYPES
+from costmodel.jsonio import output_path, shown, span, write_json
+from costmodel.plan import DTYPES, MAX_GLOBAL_BATCH_SIZE
 from costmodel.profile import ModelProfile
 from costmodel.table import format_table
 from elastor.commands import subcommand
+from elastor.commands.argtypes import integer
 from profiler import defaults
 
 MAX_DEFAULT_TP = 8  # default TP degrees: every degree up to one node of 8 GPUs that divides the heads
 # Below about a megabyte, collectives on any link are latency-bound and a fit cannot see bandwidth.
 MIN_COMM_MAX_BYTES = 1 << 20
+# Repetitions of one measurement: the defaults take a handful; ten thousand is hours on a CPU.
+MAX_REPEATS = 10_000
+# Torch threads: past the cores of the largest hosts sold (2 x 192), more only contend.
+MAX_THREADS = 1024
+# The integer flags' ranges (checked with the others in check_flags; --help states each).
+RANGES = {
+    "repeats": (1, MAX_REPEATS),
+    "warmup": (0, MAX_REPEATS),
+    "threads": (1, MAX_THREADS),
+    "comm_ranks": (1, MAX_GPUS_PER_NODE),  # local processes: one host
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,14 +60,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--micro-batch-size",
         default="1,2,4",
-        help="micro-batch sizes, comma-separated (default: %(default)s)",
+        help=f"micro-batch sizes, comma-separated, each in 1..{MAX_GLOBAL_BATCH_SIZE:,} "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--tp-degrees",
         help=f"tensor-parallel degrees, comma-separated (default: every degree up to {MAX_DEFAULT_TP} "
         "that divides the attention and key/value heads)",
     )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: %(default)s)")
+    p.add_argument(
+        "--seq-len",
+        type=integer(1, MAX_FIELD["max_seq_len"]),
+        default=128,
+        help="tokens per sample, at most the model's max_seq_len (default: %(default)s)",
+    )
     p.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -62,14 +81,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--analytic, float32 on a CPU)",
     )
     p.add_argument(
-        "--repeats", type=int, help=f"timed runs per shape when measuring (default: {defaults.REPEATS})"
+        "--repeats",
+        type=int,
+        help=f"timed runs per shape when measuring, {span(*RANGES['repeats'])} (default: {defaults.REPEATS})",
     )
-    p.add_argument("--warmup", type=int, help=f"untimed runs before them (default: {defaults.WARMUP})")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help=f"untimed runs before them, {span(*RANGES['warmup'])} (default: {defaults.WARMUP})",
+    )
     p.add_argument(
         "--threads",
         type=int,
         default=defaults.CPU_THREADS,
-        help="torch threads when measuring (default: %(default)s)",
+        help=f"torch threads when measuring, {span(*RANGES['threads'])} (default: %(default)s)",
     )
     p.add_argument(
         "--comm",
@@ -80,23 +105,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--comm-ranks",
         type=int,
-        help="with --comm: largest group size (default: every GPU up to 8; on CPU min(4, 2 x cores))",
+        help=f"with --comm: largest group size, {span(*RANGES['comm_ranks'])} (default: every GPU up "
+        "to 8; on CPU min(4, 2 x cores))",
     )
     p.add_argument(
         "--comm-max-bytes",
         type=int,
         default=64 << 20,
-        help="with --comm: largest message; sizes run from 4 bytes up by factors of 8 (default: 64 MiB)",
+        help="with --comm: largest message, at least 1 MiB; sizes run from 4 bytes up by factors of 8 "
+        "(default: 64 MiB)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 # ---- argument checks -----------------------------------------------------------------------------------
-def parse_int_list(text: str, flag: str) -> list[int]:
+def parse_int_list(text: str, flag: str, high: int = MAX_GLOBAL_BATCH_SIZE) -> list[int]:
     parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise ElastorError(f"{flag} takes positive integers separated by commas, like 1,2,4, not {text!r}.")
+    if not all(part.isdigit() and len(part) < 10 and 1 <= int(part) <= high for part in parts):
+        raise ElastorError(
+            f"{flag} takes positive integers up to {high:,} separated by commas, like 1,2,4, "
+            f"not {shown(text)}."
+        )
     return sorted({int(part) for part in parts})
 
 
@@ -132,12 +162,11 @@ def check_flags(args: argparse.Namespace, config: ModelConfig) -> None:
             )
         if args.repeats is not None or args.warmup is not None:
             raise ElastorError("--repeats and --warmup apply to measurements; drop them with --analytic.")
-    for flag in ("repeats", "threads", "comm_ranks"):
+    for flag, (low, high) in RANGES.items():
         value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ElastorError(f"--{flag.replace('_', '-')} must be at least 1, not {value}.")
-    if args.warmup is not None and args.warmup < 0:
-        raise ElastorError(f"--warmup must be 0 or more, not {args.warmup}.")
+        if value is not None and not low <= value <= high:
+            bound = f"at least {low}" if value < low else f"at most {high:,}"
+            raise ElastorError(f"--{flag.replace('_', '-')} must be {bound}, not {value}.")
     if args.comm and not args.cluster_out:
         raise ElastorError(
             "--comm writes its fits to a cluster file; name it with --cluster-out cluster.json."
@@ -207,6 +236,9 @@ def comm_table(block: dict) -> str:
 # ---- the command -------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    for out in (args.out, args.cluster_out):
+        if out:
+            output_path(out)  # a bad output fails now, not after the measurement
     config = load_model_config(args.model)
     micro_batch_sizes = parse_int_list(args.micro_batch_size, "--micro-batch-size")
     degrees = tp_degrees(config, args.tp_degrees)

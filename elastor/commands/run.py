@@ -8,6 +8,8 @@ from pathlib import Path
 from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
+from elastor.commands.argtypes import GLOBAL_BATCH_SIZE, MAX_STEPS, SEED, STEPS, integer
+from elastor.commands.train import LR, TIMEOUT_S
 
 EXAMPLE = (
     "elastor run --cluster 2,2 --profile profiles/gpt-tiny-cpu.json --global-batch-size 16 --steps 40 \\\n"
@@ -16,6 +18,11 @@ EXAMPLE = (
 
 # Flags passed unchanged to `elastor train` by every supervisor.
 TRAIN_FLAGS = ("data", "seed", "lr", "warmup_steps", "timeout_s")
+# Rounds that may follow a failed round: enough for a handful of GPU failures in one run, few enough
+# that a cause no restart can fix stops the run in minutes.
+MAX_RESTARTS = 10
+RESTARTS = integer(0, 10_000)
+POSITIVE_STEPS = integer(1, MAX_STEPS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,24 +39,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='healthy GPUs per node ("4,4") or a cluster JSON; with --node only its device and links count',
     )
     p.add_argument("--profile", required=True, help="profile JSON from `elastor profile`")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True, help="the global step to reach")
+    p.add_argument(
+        "--global-batch-size", type=GLOBAL_BATCH_SIZE, required=True, help=f"an integer {GLOBAL_BATCH_SIZE}"
+    )
+    p.add_argument(
+        "--steps", type=POSITIVE_STEPS, required=True, help=f"the global step to reach, {POSITIVE_STEPS}"
+    )
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory, shared by every node")
     p.add_argument(
-        "--ckpt-every", type=int, default=5, help="steps between checkpoints (default: %(default)s)"
+        "--ckpt-every",
+        type=POSITIVE_STEPS,
+        default=5,
+        help=f"steps between checkpoints, {POSITIVE_STEPS} (default: %(default)s)",
     )
     p.add_argument("--metrics", help="metrics JSON-lines file (default: CKPT_DIR/metrics.jsonl)")
     p.add_argument("--method", default="elastor", help="planning method (default: %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
     p.add_argument("--data", help="passed to `elastor train`")
-    p.add_argument("--seed", type=int, default=0, help="passed to `elastor train` (default: 0)")
-    p.add_argument("--lr", type=float, default=3e-4, help="passed to `elastor train` (default: %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=10, help="passed to `elastor train`")
+    p.add_argument("--seed", type=SEED, default=0, help=f"passed to `elastor train`, {SEED} (default: 0)")
+    p.add_argument(
+        "--lr", type=LR, default=3e-4, help=f"passed to `elastor train`, {LR} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--warmup-steps", type=STEPS, default=10, help=f"passed to `elastor train`, {STEPS} (default: 10)"
+    )
     p.add_argument(
         "--timeout-s",
-        type=float,
+        type=TIMEOUT_S,
         default=60.0,
-        help="collective timeout of the workers (default: %(default)s)",
+        help=f"collective timeout of the workers, {TIMEOUT_S} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=RESTARTS,
+        default=MAX_RESTARTS,
+        help=f"rounds that may follow a failed round, {RESTARTS}; one more failure ends the run with "
+        "exit 2 (default: %(default)s); a round that fails with the same error as the one before, on the "
+        "same GPUs and without a newer checkpoint, ends it at once",
     )
     p.add_argument(
         "--inject-failure",
@@ -78,8 +104,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime.elastic.faults import Fault
 
-    if min(args.steps, args.global_batch_size, args.ckpt_every) < 1:
-        raise ElastorError("--steps, --global-batch-size and --ckpt-every must be at least 1.")
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
     cluster = ClusterSpec.parse(args.cluster, profile.device_kind)
     failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
@@ -108,6 +132,7 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
         ckpt_dir=Path(args.ckpt_dir),
         ckpt_every=args.ckpt_every,
         metrics=_metrics_path(args),
+        max_restarts=args.max_restarts,
         method=args.method,
         device=args.device,
         train_args=tuple(_train_args(args)),
@@ -151,6 +176,7 @@ def _supervisor_args(args) -> list[str]:
         f"--ckpt-dir={args.ckpt_dir}",
         f"--ckpt-every={args.ckpt_every}",
         f"--metrics={_metrics_path(args)}",
+        f"--max-restarts={args.max_restarts}",
         f"--method={args.method}",
         f"--device={args.device}",
         *(

@@ -11,11 +11,37 @@ import sys
 import time
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
-from costmodel.jsonio import read_json
+from costmodel.cluster import check_size
+from costmodel.jsonio import output_dir, output_path, read_json, shown
 from costmodel.table import format_table
 from elastor.commands import subcommand
+from elastor.commands.argtypes import (
+    CLUSTER_BOUNDS,
+    GLOBAL_BATCH_SIZE,
+    SEED,
+    SOLVER_TIME_LIMIT_S,
+    integer,
+    real,
+)
 
 _NODES_BY_GPUS = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+# A year of simulated training: longer than any run reported (Llama 3 405B: 54 days), and a bound on
+# the simulation's time, which grows with the days (--days inf would never return).
+MAX_DAYS = 365.0
+# Repeated runs per policy: a hundred already give confidence intervals of a few tenths of a percent.
+MAX_RUNS = 1000
+# Multiples of the failure rates: a thousand times Llama 3's fails a GPU of a 16,384-GPU cluster
+# every few seconds, past any rate worth studying.
+MAX_RATE_FACTOR = 1000.0
+# The most expected failures in one run, over every rate factor: the simulation handles them one by
+# one, so this bounds its time (Llama 3's 54 days on 16,384 GPUs saw 419).
+MAX_EXPECTED_FAILURES = 1_000_000
+# The most intervals one sweep simulates (each is every policy times every run).
+MAX_SWEEP_INTERVALS = 100
+
+DAYS = real(above=0.0, high=MAX_DAYS)
+HOURS = real(above=0.0, high=MAX_DAYS * 24)
+SECONDS = real(above=0.0, high=MAX_DAYS * 86_400)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,14 +57,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cluster",
         required=True,
-        help='nodes x GPUs ("2048x8"), healthy GPUs per node ("8,8,7") or a cluster JSON file',
+        help=f'nodes x GPUs ("2048x8"), healthy GPUs per node ("8,8,7") or a cluster JSON file '
+        f"({CLUSTER_BOUNDS})",
     )
-    p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
-    p.add_argument("--days", type=float, default=30.0, help="simulated days per run (default: %(default)s)")
     p.add_argument(
-        "--runs", type=int, default=5, help="repeated runs (seeds) per policy (default: %(default)s)"
+        "--global-batch-size",
+        type=GLOBAL_BATCH_SIZE,
+        required=True,
+        help=f"samples per step, an integer {GLOBAL_BATCH_SIZE}",
     )
-    p.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
+    p.add_argument(
+        "--days", type=DAYS, default=30.0, help=f"simulated days per run, {DAYS} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--runs",
+        type=integer(1, MAX_RUNS),
+        default=5,
+        help=f"repeated runs (seeds) per policy, in 1..{MAX_RUNS:,} (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=SEED, default=0, help=f"first seed, {SEED} (default: %(default)s)")
     p.add_argument(
         "--policies",
         help="comma-separated among elastor, node-drop, wait-for-repair, spare-nodes:K "
@@ -46,16 +83,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--ckpt-interval",
-        type=float,
-        help="seconds of training between checkpoints (default: Daly's optimum for these costs and rates)",
+        type=SECONDS,
+        help=f"seconds of training between checkpoints, {SECONDS} (default: Daly's optimum for these "
+        "costs and rates)",
     )
     p.add_argument(
         "--sweep-intervals",
-        help='"auto" (a quarter to four times Daly\'s optimum) or seconds, comma-separated: find the best '
-        "interval per policy",
+        help='"auto" (a quarter to four times Daly\'s optimum) or seconds, comma-separated (at most '
+        f"{MAX_SWEEP_INTERVALS}, each {SECONDS}): find the best interval per policy",
     )
     p.add_argument(
-        "--rate-factors", help="also simulate these multiples of the failure rates, e.g. 0.5,1,2,4"
+        "--rate-factors",
+        help="also simulate these multiples of the failure rates, e.g. 0.5,1,2,4 (at most "
+        f"{MAX_SWEEP_INTERVALS}, each above 0 and at most {MAX_RATE_FACTOR:g})",
     )
     p.add_argument(
         "--failures",
@@ -64,17 +104,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     p.add_argument("--distribution", choices=("exponential", "weibull"), help="lifetime distribution")
-    p.add_argument("--weibull-shape", type=float, help="Weibull shape (default 0.7)")
-    p.add_argument("--gpu-repair-h", type=float, help="mean GPU repair time, hours (default 24)")
-    p.add_argument("--node-repair-h", type=float, help="mean node repair time, hours (default 12)")
-    p.add_argument("--repair-sigma", type=float, help="lognormal shape of repair times (default 1; 0: fixed)")
+    # the failure model checks the shapes' ranges (goodput.failures), so a failure file obeys them too
+    p.add_argument("--weibull-shape", type=real(), help="Weibull shape, in 0.1..10 (default 0.7)")
+    p.add_argument("--gpu-repair-h", type=HOURS, help=f"mean GPU repair time, hours, {HOURS} (default 24)")
+    p.add_argument("--node-repair-h", type=HOURS, help=f"mean node repair time, hours, {HOURS} (default 12)")
+    p.add_argument(
+        "--repair-sigma",
+        type=real(),
+        help="lognormal shape of repair times, in 0..5 (default 1; 0: fixed)",
+    )
     p.add_argument("--costs", help="measured recovery and checkpoint costs, JSON (fields of RecoveryCosts)")
     p.add_argument(
         "--plan-cache",
         help="JSON file keeping the solver's plans between runs (created if absent; delete it when the "
         "solver changes)",
     )
-    p.add_argument("--solver-time-limit", type=float, help="seconds per solver call (default: the solver's)")
+    p.add_argument(
+        "--solver-time-limit",
+        type=SOLVER_TIME_LIMIT_S,
+        help=f"seconds per solver call, {SOLVER_TIME_LIMIT_S} (default: the solver's)",
+    )
     p.add_argument(
         "--chunks",
         choices=("1", "auto"),
@@ -92,9 +141,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", help="write CSV files and plots here")
     p.add_argument(
         "--timeline-days",
-        type=float,
+        type=DAYS,
         default=7.0,
-        help="days shown on the timeline plot (default: %(default)s)",
+        help=f"days shown on the timeline plot, {DAYS} (default: %(default)s)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -103,20 +152,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def parse_cluster(text: str, kind: str) -> ClusterSpec:
     match = _NODES_BY_GPUS.match(text)
     if match:
+        if len(match[1]) > 9 or len(match[2]) > 9:  # past every bound: no need to read them exactly
+            raise ElastorError(f"Cluster {shown(text)} is larger than any cluster Elastor plans.")
         nodes, gpus = int(match[1]), int(match[2])
         if nodes < 1 or gpus < 1:
             raise ElastorError(f"Cluster {text!r} needs at least one node of at least one GPU.")
+        check_size(nodes, gpus, nodes * gpus)
         return ClusterSpec.from_counts([gpus] * nodes, kind)
     return ClusterSpec.parse(text, kind)
 
 
-def parse_floats(text: str, flag: str) -> list[float]:
+def parse_floats(text: str, flag: str, high: float) -> list[float]:
+    """Positive finite numbers up to `high`, comma-separated, at most MAX_SWEEP_INTERVALS of them."""
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
-        raise ElastorError(f"{flag} takes positive numbers separated by commas, not {text!r}.") from None
-    if not values or min(values) <= 0:
-        raise ElastorError(f"{flag} takes positive numbers separated by commas, not {text!r}.")
+        values = []
+    if not values or len(values) > MAX_SWEEP_INTERVALS or not all(0 < v <= high for v in values):
+        raise ElastorError(
+            f"{flag} takes positive numbers up to {high:,.0f} separated by commas (at most "
+            f"{MAX_SWEEP_INTERVALS}), not {shown(text)}."
+        )
     return values
 
 
@@ -164,13 +220,23 @@ def parse_slices(text: str, cluster: ClusterSpec, global_batch_size: int) -> int
     return slices
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    if args.global_batch_size < 1 or args.runs < 1:
-        raise ElastorError("--global-batch-size and --runs must be at least 1.")
-    if args.days <= 0 or args.timeline_days <= 0:
-        raise ElastorError("--days and --timeline-days must be positive.")
-    if args.ckpt_interval is not None and args.ckpt_interval <= 0:
-        raise ElastorError(f"--ckpt-interval must be a positive number of seconds, not {args.ckpt_interval}.")
+def check_outputs(args: argparse.Namespace) -> None:
+    """Bad output paths fail before the simulation, not after it."""
+    if args.out_dir:
+        output_dir(args.out_dir)
+    if args.plan_cache:
+        output_path(args.plan_cache)
+
+
+def check_failures(failures, cluster: ClusterSpec, days: float, rates: list[float] | None) -> None:
+    """Refuse a run expected to see more than MAX_EXPECTED_FAILURES failures."""
+    per_hour = failures.interruptions_per_hour(cluster.world_size, len(cluster.nodes))
+    expected = per_hour * days * 24 * max(rates or [1.0])
+    if expected > MAX_EXPECTED_FAILURES:
+        raise ElastorError(
+            f"A run would see about {expected:,.0f} failures, more than the {MAX_EXPECTED_FAILURES:,} "
+            "one simulation handles; simulate fewer days or lower rates."
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,13 +245,18 @@ def run(args: argparse.Namespace) -> int:
     from goodput.policies import default_policies
 
     started = time.perf_counter()
-    check_flags(args)
+    check_outputs(args)
+    intervals = args.sweep_intervals
+    if intervals and intervals != "auto":
+        intervals = parse_floats(intervals, "--sweep-intervals", SECONDS.high)
+    rates = parse_floats(args.rate_factors, "--rate-factors", MAX_RATE_FACTOR) if args.rate_factors else None
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
     cluster = parse_cluster(args.cluster, profile.device_kind)
     nodes = len(cluster.nodes)
     slices = parse_slices(args.slices, cluster, args.global_batch_size)
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
     failures = failure_model(args)
+    check_failures(failures, cluster, args.days, rates)
     study = build_study(
         profile,
         cluster,
@@ -200,18 +271,11 @@ def run(args: argparse.Namespace) -> int:
         slices=slices,
     )
     young, daly = study.young_daly()
-    sweep = None
-    if args.sweep_intervals == "auto" and not math.isfinite(daly):
+    if intervals == "auto" and not math.isfinite(daly):
         raise ElastorError(
             "--sweep-intervals auto needs failures: without them Daly's interval is unbounded."
         )
-    if args.sweep_intervals:
-        sweep = (
-            auto_intervals(daly)
-            if args.sweep_intervals == "auto"
-            else parse_floats(args.sweep_intervals, "--sweep-intervals")
-        )
-    rates = parse_floats(args.rate_factors, "--rate-factors") if args.rate_factors else None
+    sweep = auto_intervals(daly) if intervals == "auto" else intervals
     outcome = run_experiment(
         study,
         policies,

@@ -6,6 +6,19 @@ from pathlib import Path
 from costmodel import ElastorError, Plan
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
+from elastor.commands.argtypes import MAX_STEPS, SEED, STEPS, integer, real
+
+# The optimizer's ranges, as runtime.optim.OptimConfig checks them again (torch is imported only once
+# training starts, so the flags are checked here first): a learning rate above 10 or a decay above 10
+# diverges at once, and inf or nan trains to NaN.
+LR = real(above=0.0, high=10.0)
+MIN_LR = real(low=0.0, high=10.0)
+WEIGHT_DECAY = real(low=0.0, high=10.0)
+GRAD_CLIP = real(low=0.0, high=1e6)
+# A day: far past any collective's time, and short of a timeout that never fires.
+TIMEOUT_S = real(above=0.0, high=86_400.0)
+# Checkpoints kept: each is a full copy of the training state.
+KEEP = integer(1, 1000)
 
 EXAMPLE = (
     "python -m torch.distributed.run --nproc-per-node 7 --master-addr 127.0.0.1 --master-port 29511 \\\n"
@@ -23,59 +36,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         EXAMPLE,
     )
     p.add_argument("--plan", required=True, help="plan JSON file")
-    p.add_argument("--steps", type=int, required=True, help="the global optimizer step to reach")
+    p.add_argument("--steps", type=int, required=True, help=f"the global optimizer step to reach, {STEPS}")
     p.add_argument("--metrics", required=True, help="metrics JSON-lines file (rank 0 appends to it)")
     p.add_argument(
         "--ckpt-dir",
         help="checkpoint directory: resume from its newest complete checkpoint (any plan), save into it",
     )
     p.add_argument(
-        "--ckpt-every", type=int, default=0, help="steps between checkpoints; 0: only at the end (default)"
+        "--ckpt-every",
+        type=int,
+        default=0,
+        help=f"steps between checkpoints, {STEPS}; 0: only at the end (default)",
     )
-    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default: %(default)s)")
+    p.add_argument("--keep", type=KEEP, default=2, help=f"checkpoints to keep, {KEEP} (default: %(default)s)")
     p.add_argument(
         "--stop-at",
-        type=int,
+        type=STEPS,
         help="stop (with a checkpoint) at this step, before --steps; the schedule still ends at --steps",
     )
     p.add_argument(
         "--data",
         help="uint16 token file (.bin) or UTF-8 text tokenised by bytes (default: synthetic tokens)",
     )
-    p.add_argument("--seed", type=int, default=0, help="initial weights and synthetic data (default: 0)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine (default: lr / 10)")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps (default: %(default)s)")
     p.add_argument(
-        "--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: %(default)s)"
+        "--seed", type=SEED, default=0, help=f"initial weights and synthetic data, {SEED} (default: 0)"
+    )
+    p.add_argument("--lr", type=LR, default=3e-4, help=f"peak learning rate, {LR} (default: %(default)s)")
+    p.add_argument(
+        "--min-lr",
+        type=MIN_LR,
+        help="learning rate at the end of the cosine, at least 0 and at most --lr (default: lr / 10)",
     )
     p.add_argument(
-        "--grad-clip", type=float, default=1.0, help="global-norm clip, 0 for none (default: %(default)s)"
+        "--warmup-steps", type=int, default=10, help=f"linear warm-up steps, {STEPS} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=WEIGHT_DECAY,
+        default=0.1,
+        help=f"AdamW decay of matrices, {WEIGHT_DECAY} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=GRAD_CLIP,
+        default=1.0,
+        help=f"global-norm clip, {GRAD_CLIP}, 0 for none (default: %(default)s)",
     )
     p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when torch sees one"
     )
     p.add_argument(
         "--timeout-s",
-        type=float,
+        type=TIMEOUT_S,
         default=300.0,
-        help="a collective that waits longer fails the job (default: %(default)s)",
+        help=f"a collective that waits longer fails the job, {TIMEOUT_S} seconds (default: %(default)s)",
     )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.steps, args.warmup_steps, args.ckpt_every) < 0 or args.lr <= 0 or args.timeout_s <= 0:
+    counts = (args.steps, args.warmup_steps, args.ckpt_every)
+    if min(counts) < 0 or max(counts) > MAX_STEPS:
         raise ElastorError(
-            "--steps, --warmup-steps and --ckpt-every must be non-negative, --lr and --timeout-s positive."
+            f"--steps, --warmup-steps and --ckpt-every must be non-negative and at most {MAX_STEPS:,}."
         )
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise ElastorError(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}; the cosine decays to it.")
     if (args.ckpt_every or args.stop_at is not None) and not args.ckpt_dir:
         raise ElastorError("--ckpt-every and --stop-at need --ckpt-dir.")
+    if Path(args.metrics).is_dir():
+        raise ElastorError(f"--metrics {args.metrics} is a directory; name the metrics file to append to.")
     plan = Plan.from_json(read_json(args.plan, "plan")).validate()
 
     import torch  # torch only for the commands that train
     import torch.distributed as dist
 
+    from runtime.checkpoint.lock import lock_directory
     from runtime.checkpointing import CheckpointHook, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
@@ -99,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
     )
     trainer = Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
+    ckpt_dir, lock, hook = (Path(args.ckpt_dir) if args.ckpt_dir else None), None, None
     try:
-        ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else None
+        if ckpt_dir is not None and ctx.rank == 0:  # rank 0 owns the directory for the job
+            lock = lock_directory(ckpt_dir)
         resumed = ckpt_dir is not None and resume(trainer, ckpt_dir, metrics)
         hook = CheckpointHook(
             trainer,
@@ -118,5 +156,9 @@ def run(args: argparse.Namespace) -> int:
         trainer.close()
         if metrics:
             metrics.close()
+        if lock is not None:
+            if hook is not None and hook.saver is not None:
+                hook.saver.settle()  # no save may go on without the lock
+            lock.release()
     dist.destroy_process_group()
     return 0

@@ -6,6 +6,7 @@ import sys
 from costmodel import ClusterSpec, Plan
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
+from elastor.commands.argtypes import CLUSTER_BOUNDS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,7 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "elastor validate examples/plan-hetero.json --cluster 4,3",
     )
     p.add_argument("plan", help="plan JSON file")
-    p.add_argument("--cluster", required=True, help='healthy GPUs per node ("8,8,7") or a cluster JSON file')
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
+    )
     p.add_argument(
         "--device-kind",
         default="H100-80GB",

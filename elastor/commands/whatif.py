@@ -2,14 +2,19 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
 import solver
 from costmodel import ElastorError
+from costmodel.jsonio import output_path, write_atomic
 from elastor.commands import subcommand
+from elastor.commands.argtypes import CLUSTER_BOUNDS, GLOBAL_BATCH_SIZE, SEED, SOLVER_TIME_LIMIT_S
 from elastor.commands.plan import load_inputs
 from solver import whatif
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # what --plot writes, by the file's suffix
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,12 +27,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--csv whatif.csv --plot whatif.png",
     )
     p.add_argument("--profile", required=True, help="profile JSON (elastor profile)")
-    p.add_argument("--cluster", required=True, help='GPUs per node when all are healthy ("8,8,8,8") or JSON')
-    p.add_argument("--global-batch-size", type=int, required=True, help="samples per training step")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help=f'GPUs per node when all are healthy ("8,8,8,8") or JSON ({CLUSTER_BOUNDS})',
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=GLOBAL_BATCH_SIZE,
+        required=True,
+        help=f"samples per training step, an integer {GLOBAL_BATCH_SIZE}",
+    )
     p.add_argument(
         "--fail",
         default="0..8",
-        help="failed GPU counts: a range 0..8 or a list 0,2,4 (default: %(default)s)",
+        help="failed GPU counts, each below the cluster's GPUs: a range 0..8 or a list 0,2,4, at most "
+        f"{whatif.MAX_FAILURE_COUNTS:,} counts (default: %(default)s)",
     )
     p.add_argument(
         "--placement",
@@ -36,7 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="which GPUs fail: one per node in turn (worst), whole nodes first (best), or random "
         "(default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of --placement random (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=SEED, default=0, help=f"seed of --placement random, {SEED} (default: %(default)s)"
+    )
     p.add_argument(
         "--methods",
         default=",".join(solver.METHODS),
@@ -44,17 +61,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--time-limit",
-        type=float,
+        type=SOLVER_TIME_LIMIT_S,
         default=solver.DEFAULT_TIME_LIMIT_S,
-        help="seconds per solve (default: %(default)s)",
+        help=f"seconds per solve, {SOLVER_TIME_LIMIT_S} (default: %(default)s)",
     )
     p.add_argument("--csv", help="write every case as CSV here")
-    p.add_argument("--plot", help="write the throughput plot (PNG) here")
+    p.add_argument("--plot", help=f"write the throughput plot here ({', '.join(PLOT_FORMATS)} by its suffix)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    for out in (args.csv, args.plot):
+        if out:
+            output_path(out)  # a bad output fails now, not after the sweep
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        raise ElastorError(f"--plot {args.plot} must end in {', '.join(PLOT_FORMATS)}.")
+    fail = whatif.parse_range(args.fail)
     profile, cluster = load_inputs(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in solver.METHODS]
@@ -64,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         profile,
         cluster,
         args.global_batch_size,
-        whatif.parse_range(args.fail),
+        fail,
         methods=methods,
         placement=args.placement,
         seed=args.seed,
@@ -75,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(whatif.throughput_table(frame))
     if args.csv:
-        frame.to_csv(args.csv, index=False)
+        write_atomic(args.csv, frame.to_csv(index=False).encode())
         print(f"wrote {args.csv}")
     if args.plot:
         model, kind = profile.model.name, profile.device_kind

@@ -6,6 +6,7 @@
 - `save`: `Checkpointer`, the asynchronous save (the blocking snapshot);
 - `commit`: the save's background half: checksums, O_DIRECT writes, fragments, rank 0's commit;
 - `store`: durable writes, atomic commit, `latest`, retention, finding the newest checkpoint;
+- `checks`: what a manifest may say, checked before anything it names is read; `lock`: one job per directory;
 - `load`: reading only the byte ranges a rank needs, checksummed;
 - `verify`, `export`: whole-checkpoint checks and the Hugging Face safetensors export.
 """

@@ -6,6 +6,7 @@ background thread; errors are handed to the training loop at its next `wait()` o
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,21 @@ class SaveJob:
         self.started = started
         self.step, self.tmp, self.items, self.layout = step, tmp, items, layout
         self.buffer, self.dtypes, self.meta_text = buffer, dtypes, meta_text
+        self.committed = False  # set once the rename made the checkpoint durable
 
     def run(self) -> None:
         try:
             self.owner._result = self._run()
+        except OSError as e:  # disk full, a read-only or vanished directory: one sentence, no debris
+            what = f"Saving step {self.step} to {self.owner.directory} failed ({e.strerror or e})"
+            if self.committed:  # only `latest` or retention failed
+                outcome = "after its commit, so the new checkpoint is complete"
+            elif self.owner.rank == 0:  # the committer: no other rank's part can be committed now
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                outcome = "the partial save was removed and the previous checkpoint is intact"
+            else:  # rank 0 waits for this rank's part in vain, then removes the save
+                outcome = "it will not be committed, and the previous checkpoint is intact"
+            self.owner._error = CheckpointError(f"{what}; {outcome}.")
         except BaseException as e:  # handed to the training loop at its next wait() or save()
             self.owner._error = e
 
@@ -144,6 +156,7 @@ class SaveJob:
         name = store.next_name(owner.directory, step_dir_name(self.step))
         final = owner.directory / name
         os.replace(self.tmp, final)
+        self.committed = True
         store.fsync_dir(owner.directory)
         store.point_latest(owner.directory, name)
         owner.last_save_s = time.perf_counter() - self.started
@@ -160,6 +173,7 @@ class SaveJob:
             if not missing:
                 break
             if time.monotonic() > deadline:
+                shutil.rmtree(self.tmp, ignore_errors=True)
                 raise CheckpointError(
                     f"Rank(s) {', '.join(map(str, missing))} did not finish writing step {self.step} within "
                     f"{owner.commit_timeout_s:.0f} s, so it was not committed."

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from costmodel.config import ModelConfig
+from costmodel.jsonio import atomic_output, write_atomic
 from runtime.checkpoint.format import DTYPES, CheckpointError
 from runtime.checkpoint.load import CheckpointReader, Wanted
-from runtime.checkpoint.store import write_durable
 
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
@@ -65,6 +65,7 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> tuple
     """Write the model of DIR to `out` (safetensors) and `config.json` beside it; returns both paths."""
     out = Path(out)
     with CheckpointReader(path) as reader:
+        reader.manifest.check_files()  # every size on disk before any tensor is allocated
         model = ModelConfig.from_json(reader.manifest.model)
         params = [e for e in reader.manifest.tensors.values() if not e.name.startswith("optim.")]
         header: dict[str, dict] = {
@@ -81,9 +82,7 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> tuple
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_output(out, durable=True) as f:  # the output rules of costmodel.jsonio
             f.write(struct.pack("<Q", len(text)))
             f.write(text)
             for entry in params:
@@ -91,9 +90,6 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> tuple
                     entry.name, entry.shape, (0,) * len(entry.shape), entry.shape, DTYPES[entry.dtype]
                 )
                 f.write(memoryview(reader.read(full).view(-1).view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
     config = out.parent / "config.json"
-    write_durable(config, (json.dumps(model.to_hf_config(), indent=2) + "\n").encode())
+    write_atomic(config, (json.dumps(model.to_hf_config(), indent=2) + "\n").encode(), durable=True)
     return out, config

@@ -22,6 +22,7 @@ reading the whole piece.
 """
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,28 +226,33 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":
+        """The manifest of `directory`, refused unless it passes every check of `checks`."""
+        from runtime.checkpoint import checks  # it builds on this module's names
+
         path = directory / MANIFEST
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
+        if not (path.exists() or path.is_symlink()):
             raise CheckpointError(
                 f"{directory} is not a complete checkpoint: it has no {MANIFEST}, "
                 "so its save never committed."
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"The checkpoint manifest {path} cannot be read ({e}).") from None
+            )
+        text = checks.read_manifest_text(path)
         try:
             body = json.loads(text)
         except json.JSONDecodeError as e:
             raise CheckpointError(
                 f"The checkpoint manifest {path} is corrupt: not valid JSON ({e.msg})."
             ) from None
-        if not isinstance(body, dict) or body.get("manifest_crc32c") != manifest_checksum(body):
+        except RecursionError:
+            raise CheckpointError(f"The checkpoint manifest {path} is nested too deeply to read.") from None
+        if not isinstance(body, dict):
+            raise CheckpointError(f"The checkpoint manifest {path} is corrupt: it is not a JSON object.")
+        if body.get("manifest_crc32c") != manifest_checksum(body):
             raise CheckpointError(f"The checkpoint manifest {path} is corrupt: its CRC32C does not match.")
         if body.get("format") != FORMAT or body.get("schema_version") != SCHEMA_VERSION:
             raise CheckpointError(
                 f"{path} is not an Elastor checkpoint manifest of schema_version {SCHEMA_VERSION}."
             )
+        checks.check_body(body, path)
         tensors = [TensorEntry.from_json(t) for t in body["tensors"]]
         return cls(
             path=directory,
@@ -259,6 +265,13 @@ class Manifest:
             files={f["file"]: f["bytes"] for f in body["files"]},
             tensors={t.name: t for t in tensors},
         )
+
+    def check_files(self) -> None:
+        """Every data file present, regular (not a link, FIFO or device) and of its listed size."""
+        from runtime.checkpoint import checks
+
+        for file, expected in self.files.items():
+            os.close(checks.open_sized(self.path, file, expected))
 
 
 def manifest_body(

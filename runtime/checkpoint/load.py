@@ -18,9 +18,14 @@ from typing import Any
 import torch
 
 from costmodel.config import ModelConfig
+from runtime.checkpoint.checks import open_sized
 from runtime.checkpoint.format import DTYPES, CheckpointError, Manifest, TensorEntry, crc
 from runtime.checkpoint.pieces import Wanted, as_piece
 from runtime.checkpoint.store import resolve
+
+
+class ModelMismatch(CheckpointError):
+    """A checkpoint of another model: refused, never skipped for an older one."""
 
 
 def check_model(manifest: Manifest, model: ModelConfig) -> None:
@@ -30,7 +35,7 @@ def check_model(manifest: Manifest, model: ModelConfig) -> None:
         return
     ours, theirs = model.to_json(), saved.to_json()
     differ = [f"{k} {theirs[k]!r} (expected {ours[k]!r})" for k in ours if ours[k] != theirs.get(k)]
-    raise CheckpointError(
+    raise ModelMismatch(
         f"The checkpoint {manifest.path} holds model {saved.name!r}, which differs from {model.name!r} in "
         f"{', '.join(differ)}; point --ckpt-dir at a checkpoint of this model."
     )
@@ -143,7 +148,12 @@ class CheckpointReader:
         view = memoryview(target).cast("B")
         done = 0
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], piece.offset + begin + done)
+            try:
+                n = os.preadv(fd, [view[done:]], piece.offset + begin + done)
+            except OSError as e:
+                raise CheckpointError(
+                    f"Checkpoint file {self.path / piece.file} cannot be read ({e.strerror or e})."
+                ) from None
             if n == 0:
                 raise CheckpointError(
                     f"Checkpoint file {self.path / piece.file} is truncated: it ends before byte "
@@ -163,19 +173,7 @@ class CheckpointReader:
     def _open(self, file: str) -> int:
         fd = self._fds.get(file)
         if fd is None:
-            path = self.path / file
-            expected = self.manifest.files.get(file)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointError(f"Checkpoint file {path} is missing.") from None
-            actual = os.fstat(fd).st_size
-            if actual != expected:
-                os.close(fd)
-                raise CheckpointError(
-                    f"Checkpoint file {path} is {'truncated' if actual < expected else 'too long'}: "
-                    f"{actual} bytes, not the {expected} its manifest lists."
-                )
+            fd = open_sized(self.path, file, self.manifest.files[file])
             self._fds[file] = fd
         return fd
 

@@ -74,7 +74,17 @@ class Checkpointer:
         self.directory = Path(directory)
         self.plan, self.rank, self.keep = plan, rank, keep
         self.piece_bytes, self.chunk_bytes, self.commit_timeout_s = piece_bytes, chunk_bytes, commit_timeout_s
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"The checkpoint directory {directory} cannot be created ({e.strerror})."
+            ) from None
+        if session is not None and not store.SESSION.fullmatch(session):
+            raise CheckpointError(
+                f"A save session id is 12 lowercase hex digits, not {session!r}: the id names the save's "
+                "temporary directories, and only names of that form are ever cleaned up."
+            )
         provided = session
         if session is None:
             session = secrets.token_hex(6) if rank == 0 else ""
@@ -119,7 +129,7 @@ class Checkpointer:
             layout.append(total)
             total += item.nbytes
         buffer = self._snapshot(pieces, mine, layout, total)
-        tmp = self.directory / f"{store.TMP_PREFIX}{self.session}-{self._saves:06d}"
+        tmp = self.directory / store.tmp_name(self.session, self._saves)
         self._saves += 1
         dtypes = {p.name: dtype_name(p.tensor.dtype) for p in pieces}
         job = SaveJob(self, step, tmp, mine, layout, buffer[:total], dtypes, meta_text, started)
@@ -137,6 +147,14 @@ class Checkpointer:
             raise error
         result, self._result = self._result, None
         return result
+
+    def settle(self) -> None:
+        """Wait for the save in flight, if any, and drop its outcome: for a job that is ending on
+        another error (a save's own error is raised by `wait`)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._error = self._result = None
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of the directory, None if it has none."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.checkpoint.checks import open_regular, open_sized
 from runtime.checkpoint.format import CheckpointError, Manifest, crc
 from runtime.checkpoint.store import resolve
 
@@ -33,41 +34,29 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
     problems: list[str] = []
     bad_files: set[str] = set()
     for file, expected in manifest.files.items():
-        p = directory / file
-        if not p.is_file():
-            problems.append(f"Checkpoint file {p} is missing.")
-            bad_files.add(file)
-        elif p.stat().st_size != expected:
-            actual = p.stat().st_size
-            kind = "truncated" if actual < expected else "too long"
-            problems.append(
-                f"Checkpoint file {p} is {kind}: {actual} bytes, not the {expected} its manifest lists."
-            )
+        try:
+            os.close(open_sized(directory, file, expected))
+        except CheckpointError as e:
+            problems.append(str(e))
             bad_files.add(file)
     checked = pieces = 0
     buffer = torch.empty(manifest.chunk_bytes, dtype=torch.uint8).numpy()
-    for entry in manifest.tensors.values():
-        gap = entry.gaps()
-        if gap:
-            problems.append(f"Tensor {entry.name!r} in {directory / 'manifest.json'} has {gap}.")
+    for entry in manifest.tensors.values():  # `Manifest.read` checked that the pieces tile it
         for piece in entry.pieces:
             pieces += 1
-            if piece.file in bad_files or piece.file not in manifest.files:
-                if piece.file not in manifest.files:
-                    problems.append(
-                        f"Tensor {entry.name!r} lists file {piece.file}, which the manifest does not."
-                    )
+            if piece.file in bad_files:
                 continue
-            problem = _check_piece(directory / piece.file, manifest.chunk_bytes, entry.name, piece, buffer)
+            problem = _check_piece(directory, manifest.chunk_bytes, entry.name, piece, buffer)
             checked += piece.nbytes
             if problem:
                 problems.append(problem)
     return VerifyReport(directory, manifest.step, len(manifest.tensors), pieces, checked, tuple(problems))
 
 
-def _check_piece(path, chunk_bytes: int, name: str, piece, buffer) -> str | None:
+def _check_piece(directory, chunk_bytes: int, name: str, piece, buffer) -> str | None:
     running = 0
-    with open(path, "rb", buffering=0) as f:
+    path = directory / piece.file
+    with open(open_regular(directory, piece.file), "rb", buffering=0) as f:
         f.seek(piece.offset)
         for k, expected in enumerate(piece.chunk_crc32c):
             size = min(chunk_bytes, piece.nbytes - k * chunk_bytes)

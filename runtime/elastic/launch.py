@@ -3,17 +3,24 @@ node), and plain local torchrun jobs for benchmarks.
 
 Each supervisor is exactly what a node of a real cluster runs (`elastor run --node NAME --nodes ...
 --rdzv-endpoint HOST:PORT`), given its node's GPUs; here they all rendezvous on loopback and their
-workers run on the CPU, one process per simulated GPU. The launcher only starts them, forwards a
-Ctrl-C, and returns the leader's exit code.
+workers run on the CPU, one process per simulated GPU. The launcher starts them, forwards SIGTERM and
+Ctrl-C to them and waits for them, and returns the leader's exit code; the supervisors die with it
+(runtime.elastic.lifeline).
 """
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 from costmodel.cluster import ClusterSpec
+from runtime.elastic import lifeline
+from runtime.elastic.lifeline import SUPERVISOR_GRACE_S, SUPERVISOR_STOP_S
+
+POLL_S = 0.1
 
 
 def free_port() -> int:
@@ -63,15 +70,26 @@ def run_local_torchrun(
 
 
 def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
-    """Start one `elastor run --node ...` per node of `cluster` and wait for all of them."""
+    """Start one `elastor run --node ...` per node of `cluster` and wait for all of them.
+
+    SIGTERM and Ctrl-C are forwarded to the supervisors, who stop their workers; the launcher waits
+    for them (SUPERVISOR_STOP_S at most, then SIGKILL). Each supervisor runs under a lifeline to the
+    launcher, so killing the launcher outright takes the whole tree down too, within
+    lifeline.ORPHAN_BOUND_S. A supervisor killed by a signal ends the run (exit 128 + the signal):
+    without it, the other nodes cannot agree on a round.
+    """
     names = [n.name for n in cluster.nodes]
     endpoint = f"127.0.0.1:{free_port()}"
-    children = []
+    env = {**os.environ, lifeline.ENV_PARENT: str(os.getpid())}
+    children: list[subprocess.Popen] = []
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for node in cluster.nodes:
             command = [
                 sys.executable,
                 "-m",
+                "runtime.elastic.lifeline",
+                f"--grace-s={SUPERVISOR_GRACE_S}",
                 "elastor",
                 "run",
                 *supervisor_args,
@@ -80,15 +98,40 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
                 f"--gpus={','.join(str(g) for g in node.gpus)}",
                 f"--rdzv-endpoint={endpoint}",
             ]
-            children.append(subprocess.Popen(command, start_new_session=True))
-        codes = [child.wait() for child in children]
+            children.append(subprocess.Popen(command, env=env, start_new_session=True))
+        while None in (codes := [c.poll() for c in children]):
+            killed = [(n, -code) for n, code in zip(names, codes, strict=True) if code and code < 0]
+            if killed:  # the others would wait for it forever: stop them (finally)
+                name, signum = killed[0]
+                print(
+                    f"elastor run: the supervisor of {name} was killed by {signal.Signals(signum).name}; "
+                    "stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 128 + signum
+            time.sleep(POLL_S)
     finally:
-        for child in children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-                try:
-                    child.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(child.pid, signal.SIGKILL)
-                    child.wait()
+        _stop_all(children)
+        signal.signal(signal.SIGTERM, previous)
     return codes[0] or max(codes, key=abs)
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_all(children: list[subprocess.Popen]) -> None:
+    """SIGTERM every supervisor still running, wait SUPERVISOR_STOP_S for all, SIGKILL the rest."""
+    running = [c for c in children if c.poll() is None]
+    for child in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + SUPERVISOR_STOP_S
+    for child in running:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()

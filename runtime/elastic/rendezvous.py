@@ -17,12 +17,14 @@ from torch.distributed import TCPStore
 
 from costmodel.errors import ElastorError
 
+POLL_S = 0.05  # how often a node waiting for a key looks for it
+
 
 class Rendezvous:
     def __init__(self, host: str, port: int, nodes: list[str], node: str, *, timeout_s: float = 900.0):
         if node not in nodes:
             raise ElastorError(f"Node {node!r} is not one of --nodes {','.join(nodes)}.")
-        self.nodes, self.node = nodes, node
+        self.nodes, self.node, self.timeout_s = nodes, node, timeout_s
         self.is_leader = node == nodes[0]
         try:
             self.store = TCPStore(
@@ -58,11 +60,12 @@ class Rendezvous:
             return
         deadline = time.monotonic() + timeout_s
         while self.store.add(f"{round_}/read", 0) < len(self.nodes) - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(POLL_S)
 
     # ---- the end of a round ---------------------------------------------------------------------
-    def report_exit(self, round_: int, code: int) -> None:
-        self._set(f"{round_}/exit/{self.node}", {"code": code, "time_s": time.time()})
+    def report_exit(self, round_: int, code: int, **details: Any) -> None:
+        """This node's exit code for the round, with what the leader needs to know about a failure."""
+        self._set(f"{round_}/exit/{self.node}", {"code": code, "time_s": time.time(), **details})
         if code != 0:
             self.store.add(f"{round_}/failed", 1)
 
@@ -77,4 +80,14 @@ class Rendezvous:
         self.store.set(key, json.dumps(value))
 
     def _get(self, key: str) -> Any:
+        """The value of `key`, waiting for it in Python rather than inside the store's blocking get, so
+        that a signal's handler (SIGTERM: stop) runs while a node waits for its peers."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise ElastorError(
+                    f"No answer on the rendezvous for {key!r} in {self.timeout_s:.0f} s; check that every "
+                    "node's supervisor is running."
+                )
+            time.sleep(POLL_S)
         return json.loads(self.store.get(key))

@@ -12,8 +12,15 @@ Every node runs one (`elastor run --node NAME ...`); the first node of `--nodes`
    plan's node order, so global ranks follow the plan's device order; the master is the plan's first
    node, on port rendezvous port + 1 + round) running `elastor train`, which resumes from the newest
    complete checkpoint, resharding it to the new plan;
-4. a node whose workers die reports it; the others stop their own workers at once instead of waiting
-   for a collective to time out. The leader records `failure_detected` and the next round begins.
+4. a node whose workers die reports it, with the error it found in their output; the others stop
+   their own workers at once instead of waiting for a collective to time out. The leader records
+   `failure_detected` and the next round begins, unless restarting cannot help: the round failed with
+   the same error as the one before, on the same GPUs, without a newer checkpoint; or more rounds
+   failed than `--max-restarts` allows. Then the run stops with that error in one sentence (exit 2).
+
+Processes: torchrun and each of its workers run under `runtime.elastic.lifeline`, so they die with
+their parent; the supervisor is a child subreaper (Linux), so a worker that outlives its torchrun
+becomes its child, and it kills whatever is left of a round when the round ends.
 
 Events the leader appends to the metrics file: `failure_detected`, `replanned` (with the plan and the
 solver's wall time); the workers' rank 0 adds `start`, `restored`, `resumed`, `checkpoint_saved`, `done`.
@@ -21,26 +28,29 @@ solver's wall time); the workers' rank 0 adds `start`, `restored`, `resumed`, `c
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from costmodel.cluster import ClusterSpec, NodeSpec
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from costmodel.profile import ModelProfile
-from runtime.elastic import faults
+from runtime.checkpoint.lock import ENV_JOB
+from runtime.elastic import faults, lifeline
 from runtime.elastic.faults import Fault
 from runtime.elastic.rendezvous import Rendezvous
 from runtime.metrics import MetricsWriter
 
 POLL_S = 0.05
-STOP_GRACE_S = 10.0  # after SIGTERM, how long torchrun may take before it is killed
 PROBE_TIMEOUT_S = 60.0
+LOG_TAIL_BYTES = 64 << 10  # how much of a failed round's worker output is searched for its error
+_UNDER_LIFELINE = (sys.executable, "-m", "runtime.elastic.lifeline")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +64,7 @@ class RunConfig:
     ckpt_dir: Path
     ckpt_every: int
     metrics: Path
+    max_restarts: int  # rounds that may follow a failed round; one more failure ends the run
     method: str = "elastor"
     device: str = "cpu"
     train_args: tuple[str, ...] = ()  # passed through to `elastor train`
@@ -73,6 +84,20 @@ class _LeaderState:
     recovered: set[Fault] = field(default_factory=set)
     stop_at: int = 0
     failed_at: float | None = None  # when the first non-zero exit of the last round was reported
+    failures: int = 0  # failed rounds so far
+    # The last round's (error, plan devices, checkpointed step after it) if it failed, else None.
+    last_failure: tuple[str, tuple[str, ...], int] | None = None
+    stop: str | None = None  # why the run must end at the next decision
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundExit:
+    """How one node's share of a round ended, as reported to the leader."""
+
+    code: int  # torchrun's exit code (negative: the signal that ended it)
+    error: str | None = None  # the workers' error, found in their output
+    log: str | None = None  # where their output is
+    stopped: bool = False  # this supervisor stopped the workers because a peer's had failed
 
 
 class NodeSupervisor:
@@ -80,14 +105,23 @@ class NodeSupervisor:
         self.config, self.rdzv, self.gpus, self.host = config, rendezvous, gpus, host
         self.node = rendezvous.node
         self.state = _LeaderState()
+        self.ckpt_lock = None  # the leader's hold on --ckpt-dir, for the whole job
 
     # ---- the round loop -------------------------------------------------------------------------
     def run(self) -> int:
+        lifeline.become_subreaper()  # a worker that outlives its torchrun becomes ours to kill
+        try:
+            return self._rounds()
+        finally:
+            if self.ckpt_lock is not None:
+                self.ckpt_lock.release()
+
+    def _rounds(self) -> int:
         round_ = 0
         while True:
             self.rdzv.report_health(round_, self.probe(), self.host)
             if self.rdzv.is_leader:
-                self.rdzv.decide(round_, self._decide(round_, self.rdzv.health(round_)))
+                self.rdzv.decide(round_, self._lead(round_))
             decision = self.rdzv.decision(round_)
             if decision.get("error") or decision.get("done"):
                 self.rdzv.finish(round_)
@@ -97,11 +131,25 @@ class NodeSupervisor:
                 return 2
             if decision.get("done"):
                 return 0
-            code = self._run_round(round_, Plan.from_json(decision["plan"]), decision)
-            self.rdzv.report_exit(round_, code)
+            plan = Plan.from_json(decision["plan"])
+            self.rdzv.report_exit(round_, **asdict(self._run_round(round_, plan, decision)))
             if self.rdzv.is_leader:
-                self._after_round(round_, self.rdzv.exits(round_))
+                self._after_round(round_, plan, self.rdzv.exits(round_))
             round_ += 1
+
+    def _lead(self, round_: int) -> dict:
+        """The leader's decision for `round_`. Before its first round the leader takes the
+        --ckpt-dir's lock for the whole job (runtime/checkpoint/lock.py); every round's workers, on
+        every node, get the job's id and so go on under it, while another job is refused."""
+        if self.ckpt_lock is None:
+            from runtime.checkpoint import CheckpointError
+            from runtime.checkpoint.lock import lock_directory
+
+            try:
+                self.ckpt_lock = lock_directory(self.config.ckpt_dir, job=os.urandom(6).hex())
+            except CheckpointError as e:
+                return {"error": str(e)}
+        return {**self._decide(round_, self.rdzv.health(round_)), "ckpt_job": self.ckpt_lock.job}
 
     # ---- health ---------------------------------------------------------------------------------
     def probe(self) -> list[int]:
@@ -131,6 +179,8 @@ class NodeSupervisor:
                     "failure_detected", round=round_, dead=sorted(dead), step=step, time_s=st.failed_at
                 )
             intact = f"the last checkpoint (step {step}) is intact in {cfg.ckpt_dir}."
+            if st.stop:
+                return {"error": st.stop}
             if healthy == 0:
                 return {"error": f"No healthy GPU is left; {intact}"}
             cluster = ClusterSpec(device=cfg.cluster.device, nodes=nodes, links=cfg.cluster.links)
@@ -192,28 +242,51 @@ class NodeSupervisor:
                 stops.append(-(-at // cfg.ckpt_every) * cfg.ckpt_every)
         return min(stops)
 
-    def _after_round(self, round_: int, exits: dict[str, dict]) -> None:
-        st = self.state
-        failures = [e["time_s"] for e in exits.values() if e["code"] != 0]
-        st.failed_at = min(failures) if failures else None
-        if not failures:  # a clean stop: the recoveries due by now take effect
-            step = checkpointed_step(self.config.ckpt_dir)
-            st.recovered |= {r for r in self.config.recoveries if r.step <= step}
+    def _after_round(self, round_: int, plan: Plan, exits: dict[str, dict]) -> None:
+        cfg, st = self.config, self.state
+        failed = [e for e in exits.values() if e["code"] != 0]
+        st.failed_at = min(e["time_s"] for e in failed) if failed else None
+        step = checkpointed_step(cfg.ckpt_dir)
+        if not failed:  # a clean stop: the recoveries due by now take effect
+            st.recovered |= {r for r in cfg.recoveries if r.step <= step}
+            st.last_failure = None
+            return
+        st.failures += 1
+        # The root cause: a node whose workers failed on their own, the first to report.
+        root = min(failed, key=lambda e: (e.get("stopped", False), e["time_s"]))
+        error = root.get("error") or _exit_error(root["code"])
+        seen = f"{error.rstrip('.')}, in {root['log']}" if root.get("log") else error.rstrip(".")
+        rerun = (
+            f"rerun to resume from step {step}, whose checkpoint in {cfg.ckpt_dir} is intact"
+            if step
+            else "rerun"
+        )
+        failure = (_error_key(error), tuple(plan.devices), step)
+        if failure == st.last_failure:
+            st.stop = (
+                f"Rounds {round_ - 1} and {round_} failed with the same error on the same GPUs without a "
+                f"newer checkpoint, so restarting cannot help ({seen}); fix that and {rerun}."
+            )
+        elif st.failures > cfg.max_restarts:
+            st.stop = (
+                f"The workers failed in {st.failures} round(s), more than --max-restarts {cfg.max_restarts} "
+                f"allows (the last time: {seen}); fix the cause or raise --max-restarts, and {rerun}."
+            )
+        st.last_failure = failure
 
     # ---- one round on this node -----------------------------------------------------------------
-    def _run_round(self, round_: int, plan: Plan, decision: dict) -> int:
+    def _run_round(self, round_: int, plan: Plan, decision: dict) -> RoundExit:
         if self.node not in plan.nodes():  # idle this round: wait for the others to finish
             while not all(self.rdzv.store.check([f"{round_}/exit/{n}"]) for n in plan.nodes()):
                 time.sleep(POLL_S)
-            return 0
+            return RoundExit(code=0)
         cfg = self.config
         with tempfile.TemporaryDirectory(prefix="elastor-round-") as tmp:
             plan_path = Path(tmp) / "plan.json"
             plan_path.write_text(json.dumps(plan.to_json()))
             on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
             command = [
-                sys.executable,
-                "-m",
+                *_UNDER_LIFELINE,
                 "torch.distributed.run",
                 f"--nnodes={len(plan.nodes())}",
                 f"--node-rank={plan.nodes().index(self.node)}",
@@ -223,6 +296,7 @@ class NodeSupervisor:
                 "--max-restarts=0",
                 "--monitor-interval=0.1",
                 "-m",
+                "runtime.elastic.lifeline",
                 "elastor",
                 "train",
                 f"--plan={plan_path}",
@@ -234,7 +308,12 @@ class NodeSupervisor:
                 f"--device={cfg.device}",
                 *cfg.train_args,
             ]
-            env = {**os.environ, faults.ENV_FAILURES: decision.get("failures", "")}
+            env = {
+                **os.environ,
+                faults.ENV_FAILURES: decision.get("failures", ""),
+                lifeline.ENV_PARENT: str(os.getpid()),
+                ENV_JOB: decision.get("ckpt_job", ""),
+            }
             if decision["master_addr"].startswith("127.") and sys.platform.startswith("linux"):
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a simulated cluster talks over loopback only
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -243,38 +322,102 @@ class NodeSupervisor:
                 worker = subprocess.Popen(
                     command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
                 )
+            stopped = False
             try:
                 while worker.poll() is None:
                     if self.rdzv.peer_failed(round_):
                         _stop(worker)
+                        stopped = True
                         break
                     time.sleep(POLL_S)
                 code = worker.wait()
-                if code != 0:
-                    _say(f"workers on {self.node} exited with {code}; their output is in {log}")
-                return code
             finally:
                 if worker.poll() is None:
                     _stop(worker)
+                if left := lifeline.kill_children():  # none of the round may outlive it
+                    _say(f"killed {len(left)} process(es) of round {round_} that outlived torchrun")
+            if code == 0:
+                return RoundExit(code=0)
+            _say(f"workers on {self.node} exited with {code}; their output is in {log}")
+            return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
 
 
 def _say(line: str) -> None:
     print(f"elastor run: {line}", flush=True)
 
 
-def checkpointed_step(ckpt_dir: Path) -> int:
-    """The step of the newest complete checkpoint in `ckpt_dir` (0 when there is none)."""
-    from runtime.checkpoint import checkpoint_meta, latest_checkpoint
+def _error_key(error: str) -> str:
+    """An error with what changes from round to round blanked out (ports, pids, addresses, temporary
+    paths are numbers or hold them), so that the same failure in two rounds compares equal."""
+    error = re.sub(re.escape(tempfile.gettempdir()) + r"/\S*", "<tmp>", error)
+    return re.sub(r"\d+", "#", error)
 
-    path = latest_checkpoint(ckpt_dir)
-    return 0 if path is None else int(checkpoint_meta(path)[1]["step"])
+
+def checkpointed_step(ckpt_dir: Path) -> int:
+    """The step of the newest checkpoint in `ckpt_dir` whose manifest passes its checks (0 when there
+    is none). Only the manifest is read: a checkpoint whose data is damaged counts here until the
+    workers' resume finds the damage and sets it aside (`runtime.checkpointing.resume`)."""
+    from runtime.checkpoint import CheckpointError, checkpoint_meta
+    from runtime.checkpoint.store import committed
+
+    try:
+        candidates = committed(ckpt_dir)
+    except CheckpointError:  # a planted link: the workers' resume reports it
+        return 0
+    for path in reversed(candidates):
+        try:
+            return int(checkpoint_meta(path)[2])
+        except CheckpointError:
+            continue
+    return 0
+
+
+# A line of a worker's output as torch prefixes it ("[rank3]: "), a user error of `elastor train`
+# (from its handler or from argparse), an exception's last line, and torchrun's line on the first
+# worker to fail ("... failed (exitcode: -9) local_rank: 1 (pid: 123) of binary: ...").
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+_USER_ERROR = re.compile(r"^elastor(?: train)?: error: (.+)$")
+_EXCEPTION = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception)(?::.*)?$")
+_FIRST_FAILURE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
+_TORCHRUN_OWN = ("ChildFailedError", "SignalException")  # torchrun reporting on its workers
+
+
+def worker_error(log: Path, code: int) -> str:
+    """What a failed round's workers died of, in one line, from the end of their output: the last
+    `elastor` user error; else, if the first worker to fail was killed by a signal, that signal (the
+    others' exceptions only follow from it); else the last exception that torchrun did not raise
+    about its workers; else the exit code of the first worker to fail (`code`, torchrun's, if none)."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+        tail = f.read().decode(errors="replace")
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in reversed(tail.splitlines())]
+    for line in lines:
+        if m := _USER_ERROR.match(line):
+            return m[1]
+    first = [int(m[1]) for m in map(_FIRST_FAILURE.search, lines) if m]
+    if first and first[-1] < 0:
+        return _exit_error(first[-1])
+    for line in lines:
+        if _EXCEPTION.match(line) and not any(name in line for name in _TORCHRUN_OWN):
+            return line
+    return _exit_error(first[-1] if first else code)
+
+
+def _exit_error(code: int) -> str:
+    if code < 0:
+        try:
+            return f"a worker was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"a worker exited with code {code}"
 
 
 def _stop(worker: subprocess.Popen) -> None:
-    """SIGTERM torchrun's process group (it stops its workers), then SIGKILL after a grace period."""
+    """SIGTERM torchrun's process group (it stops its workers, which run in their own sessions), then
+    SIGKILL it after TORCHRUN_STOP_S (its workers' lifelines then kill them)."""
     try:
         os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=STOP_GRACE_S)
+        worker.wait(timeout=lifeline.TORCHRUN_STOP_S)
     except subprocess.TimeoutExpired:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()

@@ -1,0 +1,151 @@
+"""`elastor run`'s processes form one tree that dies together: launcher, supervisors, torchrun, workers.
+
+Each test starts a two-node simulated run (one worker per node, on the CPU), waits until its workers
+train, collects every descendant of the launcher from /proc, then kills one process of the tree: the
+rest must be gone within the documented bound (lifeline.ORPHAN_BOUND_S), never left training.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from dist_helpers import REPO, elastor_run, run_env
+
+from runtime.elastic.lifeline import ORPHAN_BOUND_S, SUPERVISOR_STOP_S
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+START_TIMEOUT_S = 120  # from the launch to the workers' first step, on a loaded machine
+MARK = "ELASTOR_TEST_PROCESS_TREE"  # in the environment of every process a test starts, for cleanup
+
+
+def test_sigkill_of_the_launcher_takes_the_whole_tree_down(tmp_path):
+    with _run(tmp_path) as (launcher, tree):
+        launcher.kill()
+        launcher.wait()
+        assert _gone_within(tree, ORPHAN_BOUND_S) == set()
+
+
+@pytest.mark.slow  # about 12 s; the launcher's SIGKILL case runs in make test
+def test_sigterm_of_the_launcher_stops_every_process_before_it_exits(tmp_path):
+    with _run(tmp_path) as (launcher, tree):
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=SUPERVISOR_STOP_S) == 128 + signal.SIGTERM
+        assert _gone_within(tree, 1.0) == set()
+
+
+@pytest.mark.slow  # about 12 s; the launcher's SIGKILL case runs in make test
+def test_sigkill_of_a_supervisor_takes_its_workers_down_and_ends_the_run(tmp_path):
+    with _run(tmp_path) as (launcher, tree):
+        supervisor = next(p for p in _children(launcher.pid) if "--node=n1" in _cmdline(p))
+        below = _descendants(supervisor)
+        assert below, "the supervisor of n1 has no workers"
+        os.kill(supervisor, signal.SIGKILL)
+        assert _gone_within(below, ORPHAN_BOUND_S) == set()
+        assert launcher.wait(timeout=SUPERVISOR_STOP_S) == 128 + signal.SIGKILL  # it stops the other node
+        assert _gone_within(tree, 1.0) == set()
+
+
+class _run:
+    """Start `elastor run --cluster 1,1` and wait until its workers train; yields (launcher, the pids
+    of all its descendants then); on the way out, SIGKILL whatever the test started that is left."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.mark = tmp, uuid.uuid4().hex
+
+    def __enter__(self) -> tuple[subprocess.Popen, set[int]]:
+        metrics = self.tmp / "metrics.jsonl"
+        # --steps and --ckpt-every are never reached: the test ends the run.
+        command = elastor_run(self.tmp, "--ckpt-every=100000", cluster="1,1", steps=100_000)
+        with open(self.tmp / "launcher.log", "w") as out:
+            self.launcher = subprocess.Popen(
+                command, cwd=REPO, env={**run_env(), MARK: self.mark}, stdout=out, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _trained_a_step(metrics):
+            assert self.launcher.poll() is None, (self.tmp / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the workers did not start training"
+            time.sleep(0.2)
+        tree = _descendants(self.launcher.pid)
+        assert len(tree) >= 6, tree  # two supervisors, their torchruns and one worker each
+        return self.launcher, tree
+
+    def __exit__(self, *exc) -> None:
+        if self.launcher.poll() is None:
+            self.launcher.kill()
+        self.launcher.wait()
+        for pid in _marked(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _trained_a_step(metrics: Path) -> bool:
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if "loss" in json.loads(line):
+                return True
+        except json.JSONDecodeError:
+            pass
+    return False
+
+
+def _gone_within(pids: set[int], seconds: float) -> set[int]:
+    """The pids of `pids` still alive (zombies count as gone) after waiting up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (alive := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name: state, ppid, ..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in (b"Z", b"X")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p))) and int(s[1]) == pid]
+
+
+def _descendants(pid: int) -> set[int]:
+    found, frontier = set(), [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in _children(p)]
+        found.update(frontier)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _marked(mark: str) -> list[int]:
+    """Every process whose environment carries this test's mark."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and needle in Path(f"/proc/{p}/environ").read_bytes().split(b"\0"):
+                found.append(int(p))
+        except OSError:
+            pass
+    return found
