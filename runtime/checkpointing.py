@@ -9,6 +9,7 @@ reads only the boxes its new shards need.
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from runtime.checkpoint.load import ModelMismatch
 from runtime.checkpoint.store import committed, set_aside
 from runtime.elastic import faults
 from runtime.metrics import MetricsWriter
+from runtime.optim import OptimConfig, configure
 from runtime.state import check_meta, restore_training_state, state_pieces, training_state
 from runtime.trainer import StepResult, Trainer
 
@@ -83,6 +85,54 @@ def resume(trainer: Trainer, ckpt_dir: Path, metrics: MetricsWriter | None) -> b
             "why; each was renamed to <name>.damaged); restore an intact copy, or run again to start afresh."
         )
     return False
+
+
+# The command-line flag of each schedule field (the others have none).
+_FLAGS = {
+    "lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_steps": "--warmup-steps",
+    "decay_steps": "--steps",
+    "weight_decay": "--weight-decay",
+    "grad_clip": "--grad-clip",
+}
+
+
+def reconcile_schedule(
+    trainer: Trainer, asked: OptimConfig, *, reset: bool, metrics: MetricsWriter | None
+) -> None:
+    """The one rule for a resumed run whose command line asks for another schedule than the
+    checkpoint's: the checkpoint's schedule (learning rates, warm-up, decay horizon, weight decay,
+    clipping) continues, and one line names every field that differs, old and new; with `reset`
+    (`--reset-schedule`) the command line's schedule replaces it from the resumed step on, and the
+    line says so. Never silent: the same line goes to the metrics as a `schedule` event."""
+    saved = trainer.optim
+    differ = [(f.name, getattr(saved, f.name), getattr(asked, f.name)) for f in fields(OptimConfig)]
+    differ = [(name, old, new) for name, old, new in differ if old != new]
+    if not differ:
+        return
+    listed = ", ".join(f"{_FLAGS.get(name, name)} {old:g} -> {new:g}" for name, old, new in differ)
+    if reset:
+        trainer.optim = asked
+        line = (
+            f"resuming at step {trainer.step} with this command line's schedule (--reset-schedule): {listed}."
+        )
+    else:
+        line = (
+            f"resuming at step {trainer.step} with the checkpoint's schedule, which this command line "
+            f"differs from ({listed}); pass --reset-schedule to use the command line's."
+        )
+    configure(trainer.optimizer, trainer.optim)
+    if trainer.ctx.rank == 0:
+        print(f"elastor train: warning: {line}", file=sys.stderr, flush=True)
+    if metrics:
+        metrics.event(
+            "schedule",
+            step=trainer.step,
+            reset=reset,
+            changed={name: [old, new] for name, old, new in differ},
+            schedule=trainer.optim.to_json(),
+        )
 
 
 def _agree(trainer: Trainer, failed: int, key: int, ckpt_dir: Path) -> int | None:

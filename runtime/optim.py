@@ -117,6 +117,15 @@ def build_optimizer(
     return optimizer
 
 
+def configure(optimizer: torch.optim.Optimizer, config: OptimConfig) -> None:
+    """Give a built optimizer `config`'s decay, betas and eps (the matrices' group decays, as in
+    `build_optimizer`): for a schedule that changed after the optimizer was built (a resume)."""
+    for group in optimizer.param_groups:
+        if any(p.ndim >= 2 for p in group["params"]):
+            group["weight_decay"] = config.weight_decay
+        group["betas"], group["eps"] = (config.beta1, config.beta2), config.eps
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

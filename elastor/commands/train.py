@@ -55,6 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="stop (with a checkpoint) at this step, before --steps; the schedule still ends at --steps",
     )
     p.add_argument(
+        "--reset-schedule",
+        action="store_true",
+        help="on resume, use this command line's schedule (--lr, --min-lr, --warmup-steps, --steps, "
+        "--weight-decay, --grad-clip) from the resumed step on; without it the checkpoint's schedule "
+        "continues and a warning names every flag that differs from it",
+    )
+    p.add_argument(
         "--data",
         help="uint16 token file (.bin) or UTF-8 text tokenised by bytes (default: synthetic tokens)",
     )
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from runtime.checkpoint.lock import lock_directory
-    from runtime.checkpointing import CheckpointHook, resume
+    from runtime.checkpointing import CheckpointHook, reconcile_schedule, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
     from runtime.loop import train
@@ -140,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         if ckpt_dir is not None and ctx.rank == 0:  # rank 0 owns the directory for the job
             lock = lock_directory(ckpt_dir)
         resumed = ckpt_dir is not None and resume(trainer, ckpt_dir, metrics)
+        if resumed:
+            reconcile_schedule(trainer, optim, reset=args.reset_schedule, metrics=metrics)
         hook = CheckpointHook(
             trainer,
             ckpt_dir,
