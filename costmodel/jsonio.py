@@ -69,7 +69,9 @@ def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
 
 
 def check_schema(data: dict[str, Any], what: str) -> None:
-    """Refuse files of an unknown schema version."""
+    """Refuse files of an unknown schema version (and anything that is not a JSON object)."""
+    if not isinstance(data, dict):
+        raise ElastorError(f"The {what} must be a JSON object, not {type(data).__name__}.")
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ElastorError(

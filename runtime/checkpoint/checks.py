@@ -11,7 +11,7 @@ checks, and a refusal is one sentence naming the manifest and the field:
 - every number has its type and range: step, sizes and offsets non-negative integers, CRCs 32-bit,
   the checksum chunk between 1 byte and `MAX_CHUNK_BYTES` (the most `verify` allocates);
 - every tensor is named once, is a parameter of the manifest's model (or an AdamW moment of one)
-  with that parameter's shape and split dimension, has a floating dtype of `STATE_DTYPES`, and is
+  with that parameter's shape and split dimension, has a floating dtype of `format.DTYPES`, and is
   tiled by its pieces, each lying inside its file with one CRC per chunk.
 
 Together these bound every allocation a read makes by the model's own tensor sizes and the bytes
@@ -28,7 +28,7 @@ from typing import Any
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
 from costmodel.layout import layer_params
-from runtime.checkpoint.format import CheckpointError, TensorEntry, base_name
+from runtime.checkpoint.format import DTYPES, CheckpointError, TensorEntry, base_name
 
 # The largest checksum chunk accepted: the buffer `verify` streams through, and the most a load
 # over-reads at each end of a run. Elastor writes 1 MiB chunks; 64 MiB leaves room for tuning.
@@ -39,8 +39,6 @@ MAX_CHUNK_BYTES = 64 << 20
 MAX_MANIFEST_BYTES = 256 << 20
 # Save times are Unix seconds; 1e11 is the year 5138, past any real one and inside every date type.
 MAX_TIME_S = 1e11
-# Model state is floating point: parameters and their AdamW moments.
-STATE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _U32 = 1 << 32
 _MAX_BYTES = 1 << 60
@@ -199,8 +197,6 @@ def _model_params(model: Any, where: str) -> dict[str, tuple[tuple[int, ...], in
         config = ModelConfig.from_json(model)
     except ElastorError as e:
         raise CheckpointError(f"{where}: its model is not valid ({e}).") from None
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{where}: its model is not a valid model configuration.") from None
     return {
         spec.name: (spec.shape, 0 if spec.shard_dim is None else spec.shard_dim)
         for index in range(config.num_layers)
@@ -214,8 +210,8 @@ def _check_tensor(tensor: _Fields, name: str, params, files: dict[str, int], chu
         raise tensor.fail("is neither a parameter of the checkpoint's model nor an optimizer moment of one")
     shape, split_dim = known
     dtype = tensor.get("dtype")
-    if dtype not in STATE_DTYPES:
-        raise tensor.fail(f"has dtype {_short(dtype)}; model state is one of {', '.join(STATE_DTYPES)}")
+    if dtype not in DTYPES:
+        raise tensor.fail(f"has dtype {_short(dtype)}; model state is one of {', '.join(DTYPES)}")
     if tuple(tensor.integers("shape")) != shape:
         raise tensor.fail(f"has shape {_short(tensor.get('shape'))}, not the model's {list(shape)}")
     if tensor.integer("split_dim", 0, 8) != split_dim:

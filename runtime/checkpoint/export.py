@@ -25,12 +25,6 @@ _SAFETENSORS_DTYPES = {
     "float32": "F32",
     "bfloat16": "BF16",
     "float16": "F16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
 }
 
 _BLOCK_NAMES = {

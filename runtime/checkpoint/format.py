@@ -46,17 +46,13 @@ OPTIMIZER_PREFIXES = ("optim.exp_avg.", "optim.exp_avg_sq.")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})(?:-(\d+))?$")
 
+# Model state is floating point: parameters and their AdamW moments. A save of anything else is
+# refused (`dtype_name`), and so is a manifest that names anything else (`checks`).
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

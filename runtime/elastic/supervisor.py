@@ -41,7 +41,9 @@ from costmodel.cluster import ClusterSpec, NodeSpec
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from costmodel.profile import ModelProfile
-from runtime.checkpoint.lock import ENV_JOB
+from runtime.checkpoint import CheckpointError, checkpoint_meta
+from runtime.checkpoint.lock import ENV_JOB, lock_directory
+from runtime.checkpoint.store import committed
 from runtime.elastic import faults, lifeline
 from runtime.elastic.faults import Fault
 from runtime.elastic.rendezvous import Rendezvous
@@ -142,9 +144,6 @@ class NodeSupervisor:
         --ckpt-dir's lock for the whole job (runtime/checkpoint/lock.py); every round's workers, on
         every node, get the job's id and so go on under it, while another job is refused."""
         if self.ckpt_lock is None:
-            from runtime.checkpoint import CheckpointError
-            from runtime.checkpoint.lock import lock_directory
-
             try:
                 self.ckpt_lock = lock_directory(self.config.ckpt_dir, job=os.urandom(6).hex())
             except CheckpointError as e:
@@ -357,9 +356,6 @@ def checkpointed_step(ckpt_dir: Path) -> int:
     """The step of the newest checkpoint in `ckpt_dir` whose manifest passes its checks (0 when there
     is none). Only the manifest is read: a checkpoint whose data is damaged counts here until the
     workers' resume finds the damage and sets it aside (`runtime.checkpointing.resume`)."""
-    from runtime.checkpoint import CheckpointError, checkpoint_meta
-    from runtime.checkpoint.store import committed
-
     try:
         candidates = committed(ckpt_dir)
     except CheckpointError:  # a planted link: the workers' resume reports it
