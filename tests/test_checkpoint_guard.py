@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from checkpoint_support import TINY, random_plan, rank_pieces, save_in_process
 from dist_helpers import elastor_run, launch, plan_json, torchrun
 
@@ -185,3 +186,13 @@ def test_a_directory_that_cannot_be_created_is_one_sentence(tmp_path):
     plan = random_plan(random.Random(5), TINY, world_size=1)
     with pytest.raises(CheckpointError, match=r"cannot be created \(Not a directory\)\.$"):
         Checkpointer(tmp_path / "a-file" / "ckpt", plan, 0, session="0123456789ab")
+
+
+def test_state_of_a_dtype_no_load_accepts_is_refused_at_save(tmp_path):
+    """The save and the manifest checks share one list of dtypes: nothing is written unreadable."""
+    plan = random_plan(random.Random(6), TINY, world_size=1)
+    pieces = rank_pieces(plan, 0, salt=1)
+    pieces[0] = pieces[0]._replace(tensor=pieces[0].tensor.to(torch.int32))
+    with pytest.raises(CheckpointError, match=r"dtype torch\.int32 cannot be checkpointed"):
+        Checkpointer(tmp_path, plan, 0, session="0123456789ab").save(1, pieces, {"step": 1})
+    assert not committed(tmp_path)

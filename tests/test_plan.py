@@ -383,3 +383,9 @@ def test_malformed_plan_json(edit, sentence):
         Plan.from_json(data)
     assert str(e.value).startswith(sentence)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("data", [[], None, "plan"])
+def test_a_plan_that_is_not_an_object_is_one_sentence(data):
+    with pytest.raises(ElastorError, match="The plan must be a JSON object"):
+        Plan.from_json(data)
