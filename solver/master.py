@@ -29,9 +29,16 @@ T_t(m) = A_t + (m - 1) M_t a pipeline can take (the best plan's slowest pipeline
 S* does not increase with tau, so a staircase search needs few problems:
 
     tau_0 = the least candidate with any plan (bisection); s_0 = S*(tau_0); best = tau_0 + s_0
-    repeat  tau_i+1 = the least candidate with a plan of overhead below s_i (bisection among the
-            candidates below best - min overhead); s_i+1 = S*(tau_i+1); best = min(best, tau_i+1 + s_i+1)
+    repeat  tau_i+1 = the least candidate with a plan of overhead below min(s_i, best - tau) for the
+            next candidate tau (a plan with more cannot beat best there, nor anywhere above it:
+            bisection among the candidates whose overhead floor leaves them below best);
+            s_i+1 = S*(tau_i+1); best = min(best, tau_i+1 + s_i+1)
     until there is none: best is then optimal.
+
+Most fixed-tau questions that have no plan are settled before CP-SAT by two relaxations: the
+micro-batches P pipelines can hold at all, and a knapsack of P pipelines over the cluster's GPUs
+(`Master._knapsack_bound`); the overhead floor per tau (`Master.least_overhead`) keeps the bisection
+to candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
 so rounding cannot reorder plans that differ by more than that; tau stays a float. A plan made of copies
@@ -212,6 +219,7 @@ class Master:
         self.A = np.array([t.pipeline_s for t in ts])
         self.M = np.array([t.bottleneck_s for t in ts])
         self.p = np.array([t.num_stages for t in ts])
+        self.G = np.array([t.num_gpus for t in ts], dtype=np.int64)
         gpus = sum(self.capacities)
         self.copies = [min(self.N // t.num_stages, gpus // t.num_gpus) for t in ts]
         self.p_max = max(self.copies, default=0)
@@ -268,29 +276,35 @@ class Master:
     def least_overhead(self, taus: np.ndarray) -> np.ndarray:
         """Per bound tau, a lower bound on the overhead of any plan within it.
 
-        If the plan's largest stage is in template j (W_j parameters), it uses only templates with
-        W_t <= W_j, whose pipelines hold at most K_j(tau) = max k_t(tau) micro-batches each, so it has
-        at least ceil(N / K_j(tau)) pipelines; its sync is at least template j's, which grows with
-        pipelines, and the optimizer step is at least the least of all. The bound is the least over j.
+        Order the templates by W (largest-stage parameters) and take the last one, j, that a plan
+        uses: every template of the plan comes before j, so its pipelines hold at most K_j(tau) =
+        max k_t(tau) micro-batches each and at most R_j(tau) = max k_t(tau) / G_t per GPU. The plan
+        then covers its N micro-batches only if GPUs x R_j >= N, and it has P >= ceil(N / K_j)
+        pipelines. Its sync is at least template j's at P (sync grows with pipelines, and the plan's
+        hide window is at most j's), and its optimizer step at least O_j. The bound is the least
+        over the j that can cover N.
         """
-        order = np.argsort([t.max_params for t in self.templates], kind="stable")
+        order = np.argsort(self.W, kind="stable")
         ordered = [self.templates[i] for i in order]
         sync = np.array([self.sync.many(P, ordered) for P in range(1, self.p_max + 1)])  # [P - 1, template]
+        A, M, p, opt = self.A[order], self.M[order], self.p[order], self.O[order]
+        gpus_each = np.array([t.num_gpus for t in ordered], dtype=float)
+        gpus = sum(self.capacities)
         least = np.full(len(taus), np.inf)
         for lo in range(0, len(taus), 2048):  # chunks keep the [taus x templates] block small
             tau = taus[lo : lo + 2048, None]
-            A, M, p = self.A[order], self.M[order], self.p[order]
             with np.errstate(divide="ignore", invalid="ignore"):
                 k = np.floor((tau - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
             k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
             k = np.where(k >= p, k, 0)
-            most = np.maximum.accumulate(k, axis=1)  # K_w for w = each template's width, in order
+            most = np.maximum.accumulate(k, axis=1)  # K_j
+            per_gpu = np.maximum.accumulate(k / gpus_each, axis=1)  # R_j
             pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), self.p_max + 1).astype(np.int64)
             pipelines = np.maximum(pipelines, self.p_min)
-            over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))]
-            over = np.where(pipelines <= self.p_max, over, np.inf)
-            least[lo : lo + 2048] = over.min(axis=1)
-        return least + min(t.optimizer_s for t in self.templates)
+            over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))] + opt
+            covers = (pipelines <= self.p_max) & (k > 0) & (gpus * per_gpu >= self.N)
+            least[lo : lo + 2048] = np.where(covers, over, np.inf).min(axis=1)
+        return least
 
     # ---- one template repeated: quick answers ------------------------------------------------------
     def set_scale(self, scale: _Scale) -> None:
@@ -389,6 +403,34 @@ class Master:
             best = max(best, bound)
         return best
 
+    def _knapsack_bound(self, k: np.ndarray, live: list[int], cap: float) -> float:
+        """At most this many micro-batches fit within tau and overhead cap, by a relaxation that keeps
+        the integrality the coverage bound drops: a plan of P pipelines uses only templates that
+        allow P within the cap, and its pipelines' GPUs sum to at most the cluster's (node
+        boundaries and the coupling of the plan's sync relaxed). Per P, a knapsack of exactly P
+        pipelines over GPU counts (the best capacity per count) gives the most they can hold."""
+        gpus = sum(self.capacities)
+        most = self.most_pipelines(cap)[live]
+        kk = k[live].astype(float)
+        width = self.G[live]
+        best = 0.0
+        for P in range(self.p_min, int(most.max(initial=0)) + 1):
+            ok = most >= P
+            value = np.full(gpus + 1, -np.inf)  # the largest capacity of a pipeline of g GPUs
+            np.maximum.at(value, width[ok], kk[ok])
+            sizes = np.flatnonzero(np.isfinite(value))
+            held = np.full(gpus + 1, -np.inf)  # most micro-batches of c pipelines on g GPUs
+            held[0] = 0.0
+            for _ in range(P):
+                grown = np.full(gpus + 1, -np.inf)
+                for g in sizes:
+                    np.maximum(grown[g:], held[: gpus + 1 - g] + value[g], out=grown[g:])
+                held = grown
+            best = max(best, float(held.max()))
+            if best >= self.N:
+                break
+        return best
+
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
         """Within tau a template is only its capacity k, stages p, W, O and footprint: drop one when
         another is no worse in all of them (more k, fewer p, ...) and packs wherever it does."""
@@ -418,7 +460,11 @@ class Master:
             cap = math.inf
         k = self.capacity(tau)
         live = list(np.flatnonzero(k))
-        if not live or self._coverage_bound(k, live, cap) < self.N:
+        if (
+            not live
+            or self._coverage_bound(k, live, cap) < self.N
+            or self._knapsack_bound(k, live, cap) < self.N
+        ):
             return cp_model.INFEASIBLE, None, None, None
         live = self._undominated(k, live)
         model = cp_model.CpModel()
@@ -585,8 +631,12 @@ def solve_master(
             proven = False
             break
         offer(pipes, patterns)
-        cap = extra - 1  # from here on: strictly less overhead
         j += 1
+        # From here on a plan must have strictly less overhead than this one (a slower pipeline with
+        # as much cannot win), and less than what the best plan leaves the next bound.
+        cap = extra - 1
+        if j < len(taus):
+            cap = min(cap, master.scale(best[0] - taus[j]))
     if best is None:
         return None, (math.inf if proven else float(floor[min(j, len(taus) - 1)])), proven
     cost, pipes, patterns = best
