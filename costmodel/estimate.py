@@ -543,13 +543,14 @@ class CostModel:
             self._planned_cache[key] = cost
         return self._planned_cache[key]
 
-    def planned_stage(self, layers, devices: tuple[str, ...]) -> Stage:
-        """A planner's stage of layers (start, end), or of chunks ((start, end), ...)."""
+    def planned_stage(self, layers, devices: tuple[str, ...], recompute: str | None = None) -> Stage:
+        """A planner's stage of layers (start, end), or of chunks ((start, end), ...), in `recompute`
+        (default: the model's planned mode)."""
         return Stage(
             chunks=tuple(layers) if isinstance(layers[0], tuple) else (tuple(layers),),
             devices=devices,
             sequence_parallel=self.sequence_parallel(len(devices)),
-            recompute=self.recompute,
+            recompute=recompute or self.recompute,
         )
 
     def stage_of(self, stage: Stage, micro_batch_size: int) -> StageCost:

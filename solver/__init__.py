@@ -41,11 +41,14 @@ classes, never nodes; nodes with equal healthy counts and GPUs of one node are i
 Precision, sequence parallelism, recomputation: a plan trains in its profile's dtype; every stage of
 TP degree > 1 whose degree divides the sequence is sequence parallel (it moves the bytes of the
 all-reduces it replaces, keeps less and computes no more, so it never loses). Recomputation trades
-compute for memory, so each method searches once per mode of RECOMPUTE_PASSES with every stage in that
-mode; each answer then gives back the recomputation its stages do not need (`relax_recompute`: the
-lightest mode in which the stage still fits, which is never slower), and the fastest answer wins.
-A pass runs only where its mode lets some stage that is short of memory hold more micro-batches
-(`helps`); otherwise it cannot win.
+compute for memory. Elastor's search (and node-drop's) offers every pipeline template in each mode
+of RECOMPUTE_PASSES, every stage of the pipeline in it, so that one plan may mix pipelines of
+different modes (a recomputing template is dropped where its twin without recomputation fits, as it
+is slower in everything the plan's cost compares); the grid baselines search once per mode. Each
+answer then gives back the recomputation its stages do not need (`relax_recompute`: the lightest
+mode in which the stage still fits, which is never slower), and the fastest answer wins. A mode is
+searched only where it lets some stage that is short of memory hold more micro-batches (`helps`);
+otherwise it cannot win (`recompute_groups`).
 
 
 Baselines (solver.baselines), each the best plan of its family under the same cost model: uniform,
@@ -65,14 +68,22 @@ from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
 from solver import baselines
 from solver.baselines import NO_PINS, Grid
-from solver.core import Limits, Outcome, Pass, plan_limits, search, tp_degrees, usable_micro_batch_sizes
+from solver.core import (
+    RECOMPUTE_PASSES,
+    Limits,
+    Outcome,
+    Pass,
+    plan_limits,
+    search,
+    tp_degrees,
+    usable_micro_batch_sizes,
+)
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
 from solver.stages import stage_table
 from solver.templates import fewest_gpus
 
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
-RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
@@ -110,17 +121,8 @@ def solve(
     best = None  # (step time, plan, info)
     passes = {}
     plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
-    for mode_recompute in RECOMPUTE_PASSES if recompute is None else (recompute,):
-        if (
-            recompute is None
-            and mode_recompute != "none"
-            and not helps(profile, cluster, global_batch_size, sizes, Pass(), Pass(mode_recompute))
-        ):
-            passes[mode_recompute] = "skipped: recomputation lets no stage hold more micro-batches it needs"
-            continue
-        for mode in sharding_passes(
-            profile, cluster, global_batch_size, sizes, mode_recompute, method, sharding
-        ):
+    for modes in recompute_groups(profile, cluster, global_batch_size, sizes, method, recompute, passes):
+        for mode in sharding_passes(profile, cluster, global_batch_size, sizes, modes, method, sharding):
             mode = dataclasses.replace(mode, interleave=interleave)
             upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
             found = _solve_pass(
@@ -157,40 +159,65 @@ def solve(
     return dataclasses.replace(plan, solver=info)
 
 
-def sharding_passes(profile, cluster, gbs, sizes, recompute, method, sharding):
-    """The passes of one recompute mode: unsharded; then, where `sharding` allows ZeRO-1 and the method
-    searches Elastor's space, ZeRO-1 over at least 2 pipelines, and over at least R, the most
-    pipelines (a power of two) whose stages can fit (R times the fewest GPUs a pipeline needs there
-    is at most the GPUs), when R shards more memory loose than 2 does (`helps`). A plan of P
+def recompute_groups(
+    profile, cluster, gbs, sizes, method, recompute=None, skipped=None
+) -> list[tuple[str, ...]]:
+    """The recompute modes each pass searches: the pinned one; else no recomputation and every mode
+    that `helps` (the others are noted in `skipped`), together where pipelines of one plan may differ
+    in it (Elastor's search and node-drop), one pass each for the grid baselines, whose pipelines are
+    alike."""
+    if recompute is not None:
+        return [(recompute,)]
+    helping = []
+    for mode in RECOMPUTE_PASSES[1:]:
+        if helps(profile, cluster, gbs, sizes, Pass(), Pass(mode)):
+            helping.append(mode)
+        elif skipped is not None:
+            skipped[mode] = "skipped: recomputation lets no stage hold more micro-batches it needs"
+    if method in ("elastor", "node-drop"):
+        return [("none", *helping)]
+    return [("none",), *((mode,) for mode in helping)]
+
+
+def sharding_passes(profile, cluster, gbs, sizes, modes, method, sharding):
+    """The passes of one group of recompute modes (lightest first): unsharded; then, where
+    `sharding` allows ZeRO-1 and the method searches Elastor's space, ZeRO-1 over at least 2
+    pipelines, and over at least R, the most pipelines (a power of two) whose stages can fit (R
+    times the fewest GPUs a pipeline needs there is at most the GPUs), when R shards more memory
+    loose than 2 does (`helps`). A plan of P
     pipelines is priced in the pass of the largest such count not above P, conservatively in
     memory and optimizer step between 2 and R; the final estimate prices it exactly. The ZeRO-1 pass
     over 2 runs where memory frees nothing only for a 16-bit profile: in fp32 the reduce-scatter and
     the gather move the all-reduce's bytes and leave the gather exposed, so only memory (or a smaller
     optimizer step, not searched for) could make ZeRO-1 faster; in 16-bit the gather moves half."""
+    recompute, lighter = modes[-1], tuple(modes[:-1])
     if method == "uniform":  # one grid per layout: the family prices its own ZeRO-1 replicas
-        yield from (Pass(recompute, layout) for layout in sharding)
+        yield from (Pass(recompute, layout, lighter=lighter) for layout in sharding)
         return
     if "none" in sharding:
-        yield Pass(recompute)
+        yield Pass(recompute, lighter=lighter)
     if "zero1" not in sharding or method not in ("elastor", "node-drop"):
         return
     gpus = len(cluster.devices)
     most = min(gpus, gbs // min(sizes, default=gbs))  # pipelines a plan can have
     if most < 2:
         return
-    two = Pass(recompute, "zero1", 2)
+    two = Pass(recompute, "zero1", 2, lighter=lighter)
     by_time = profile.dtype != "float32"
-    if (by_time or helps(profile, cluster, gbs, sizes, Pass(recompute), two)) and (
+    if (by_time or helps(profile, cluster, gbs, sizes, Pass(recompute, lighter=lighter), two)) and (
         2 * _fewest_gpus(profile, cluster, sizes, two) <= gpus
     ):
         yield two
     widest = 4
     while (
         2 * widest <= most
-        and 2 * widest * _fewest_gpus(profile, cluster, sizes, Pass(recompute, "zero1", 2 * widest)) <= gpus
+        and 2
+        * widest
+        * _fewest_gpus(profile, cluster, sizes, Pass(recompute, "zero1", 2 * widest, lighter=lighter))
+        <= gpus
     ):
         widest *= 2
-    far = Pass(recompute, "zero1", widest)
+    far = Pass(recompute, "zero1", widest, lighter=lighter)
     fits = widest <= most and widest * _fewest_gpus(profile, cluster, sizes, far) <= gpus
     if fits and helps(profile, cluster, gbs, sizes, two, far):
         yield far
@@ -198,11 +225,11 @@ def sharding_passes(profile, cluster, gbs, sizes, recompute, method, sharding):
 
 def _fewest_gpus(profile, cluster, sizes, mode: Pass) -> int:
     """The fewest GPUs any pipeline of pass `mode` needs (its stages must fit in memory)."""
-    cm, gpus = mode.cost_model(profile, cluster), len(cluster.devices)
-    tps = tp_degrees(profile, cluster)
+    gpus, tps = len(cluster.devices), tp_degrees(profile, cluster)
     return min(
         (
             fewest_gpus({t: stage_table(cm, t, mbs) for t in tps}, profile.model.num_layers, gpus)
+            for cm in (mode.cost_model(profile, cluster, r) for r in mode.modes)
             for mbs in sizes
         ),
         default=gpus + 1,
@@ -293,20 +320,23 @@ def helps(
 ) -> bool:
     """Whether pass `other` can beat pass `base` by memory: only if some stage that holds fewer
     micro-batches under `base` than 1F1B could ask of it (min(stages after it, micro-batches): at most
-    the layers, the GPUs and the micro-batches) holds more under `other`. Otherwise every plan of
-    the pass fits under `base` too, and (for recomputation, which only adds time) is as fast or
-    faster there: the pass is skipped, exactly; most passes end here when memory does not bind."""
-    short_cm, more_cm = base.cost_model(profile, cluster), other.cost_model(profile, cluster)
+    the layers, the GPUs and the micro-batches) holds more under `other` (mode by mode of the
+    passes' groups). Otherwise every plan of the pass fits under `base` too, and (for
+    recomputation, which only adds time) is as fast or faster there: the pass is skipped, exactly;
+    most passes end here when memory does not bind."""
     L = profile.model.num_layers
-    for mbs in sizes:
-        most = min(L, len(cluster.devices), gbs // mbs)
-        for tp in tp_degrees(profile, cluster):
-            short = stage_table(short_cm, tp, mbs).max_in_flight
-            more = stage_table(more_cm, tp, mbs).max_in_flight
-            for s in range(L):
-                for e in range(s + 1, L + 1):
-                    if short[s][e] < most and more[s][e] > short[s][e]:
-                        return True
+    for short_mode, more_mode in zip(base.modes, other.modes, strict=True):
+        short_cm = base.cost_model(profile, cluster, short_mode)
+        more_cm = other.cost_model(profile, cluster, more_mode)
+        for mbs in sizes:
+            most = min(L, len(cluster.devices), gbs // mbs)
+            for tp in tp_degrees(profile, cluster):
+                short = stage_table(short_cm, tp, mbs).max_in_flight
+                more = stage_table(more_cm, tp, mbs).max_in_flight
+                for s in range(L):
+                    for e in range(s + 1, L + 1):
+                        if short[s][e] < most and more[s][e] > short[s][e]:
+                            return True
     return False
 
 
@@ -355,8 +385,9 @@ def _elastor(
     if (limits or plan_limits(profile, capacities)).complete:
         return outcome
     found = [
-        family(profile, cluster, gbs, sizes, mode.recompute)
+        family(profile, cluster, gbs, sizes, recompute)
         for family in (baselines.uniform, baselines.pow2_greedy)
+        for recompute in mode.modes
     ]
     whole = fully_healthy(cluster)
     if whole is not None and len(whole.nodes) < len(capacities):

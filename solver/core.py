@@ -12,6 +12,7 @@ largest; intra-node links everywhere), and plans on all nodes priced with inter-
 this kind that happens to use one node is only over-priced, and the first problem covers it).
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -39,6 +40,8 @@ from solver.templates import Template, fewest_gpus, generate, prune
 # beyond it, the searched family is bounded (Limits) and the plan says so ("complete": false).
 EXACT_GPUS = 8
 EXACT_LAYERS = 12
+
+RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation recomputation, lightest first
 
 # Skeletal templates, across searches (solver.memo), by stage tables, layers, node classes and scope.
 _SKELETAL: IdentityMemo[list[Template]] = IdentityMemo(limit=32)
@@ -227,23 +230,34 @@ def template_of(pipe: Pipeline, tables: dict[int, StageTable]) -> Template:
 
 @dataclass(frozen=True)
 class Pass:
-    """One search of the solver: every planned stage in `recompute`, the optimizer layout `sharding`,
-    and under ZeRO-1 plans of at least `replicas` pipelines (each stage's state sharded that far)."""
+    """One search of the solver: every stage of a pipeline in one recompute mode, `recompute` or one
+    of `lighter` (pipelines of one plan may differ), the optimizer layout `sharding`, and under
+    ZeRO-1 plans of at least `replicas` pipelines (each stage's state sharded that far)."""
 
     recompute: str = "none"
     sharding: str = "none"
     replicas: int = 1
     interleave: bool = False  # also search interleaved 1F1B (solver.interleave; block-uniform models)
+    lighter: tuple[str, ...] = ()  # further recompute modes the pipelines may take, lightest first
 
-    def cost_model(self, profile: ModelProfile, cluster: ClusterSpec) -> CostModel:
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The recompute modes searched, lightest first."""
+        return (*self.lighter, self.recompute)
+
+    def cost_model(
+        self, profile: ModelProfile, cluster: ClusterSpec, recompute: str | None = None
+    ) -> CostModel:
+        """The cost model of the pass, its stages in `recompute` (default: the pass's heaviest mode)."""
         layout = OptimizerLayout(sharding=self.sharding)
-        return CostModel(profile, cluster, recompute=self.recompute, optimizer=layout, replicas=self.replicas)
+        return CostModel(
+            profile, cluster, recompute=recompute or self.recompute, optimizer=layout, replicas=self.replicas
+        )
 
     @property
     def name(self) -> str:
-        return (
-            self.recompute if self.sharding == "none" else f"{self.recompute}+{self.sharding}x{self.replicas}"
-        )
+        modes = "+".join(self.modes)
+        return modes if self.sharding == "none" else f"{modes} {self.sharding}x{self.replicas}"
 
 
 def search(
@@ -265,7 +279,8 @@ def search(
     """
     started = time.perf_counter()
     mode = mode or Pass()
-    cm = mode.cost_model(profile, cluster)
+    models = {r: mode.cost_model(profile, cluster, r) for r in mode.modes}
+    cm = models[mode.recompute]  # gradient sync and the optimizer layout: the same in every mode
     tps = tp_degrees(profile, cluster)
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     limits = limits or plan_limits(profile, capacities)
@@ -273,28 +288,32 @@ def search(
     jobs = [(b, s) for b in micro_batch_sizes if global_batch_size % b == 0 for s in scopes]
     best: tuple[float, int, MasterResult] | None = None
     bounds, proven, num_templates = [], True, 0
-    tables_for: dict[int, dict[int, StageTable]] = {}
+    tables_for: dict[int, dict[str, dict[int, StageTable]]] = {}  # micro-batch size -> mode -> TP
+    L, N_of = profile.model.num_layers, lambda mbs: global_batch_size // mbs
     for mbs, inter in jobs:
         if mbs not in tables_for:
-            tables_for[mbs] = {t: stage_table(cm, t, mbs) for t in tps}
+            tables_for[mbs] = {r: {t: stage_table(models[r], t, mbs) for t in tps} for r in mode.modes}
+        tables = tables_for[mbs]
         incumbent = min(upper_bound_s, best[0] if best else math.inf)
         nodes = capacities if inter else [max(capacities)]
-        quick = work_bound(tables_for[mbs], profile.model.num_layers, global_batch_size // mbs, sum(nodes))
+        quick = min(work_bound(tables[r], L, N_of(mbs), sum(nodes)) for r in mode.modes)
         if quick >= incumbent:  # not even perfect scaling of the work beats the plan in hand
             bounds.append(quick)
             continue
-        seeded = [
-            template_of(p, tables_for[mbs])
-            for plan in seeds
-            if plan.micro_batch_size == mbs
-            for p in plan.pipelines
-            if p.num_chunks == 1  # the baselines' pipelines; an interleaved one is a variant of its own
-        ]
-        templates = candidates(
-            tables_for[mbs], profile, nodes, not inter, limits, incumbent, seeded if inter else []
-        )
-        if mode.interleave and block_uniform(profile):
-            templates = with_interleaving(templates, tables_for[mbs], global_batch_size // mbs, sum(nodes))
+        seeded = {r: [] for r in mode.modes}
+        for plan in seeds if inter else ():
+            for p in plan.pipelines if plan.micro_batch_size == mbs else ():
+                r = max((st.recompute for st in p.stages), key=RECOMPUTE_PASSES.index)
+                if p.num_chunks == 1 and r in seeded:  # an interleaved pipeline is a variant of its own
+                    seeded[r].append(template_of(p, tables[r]))
+        templates = []
+        for r in mode.modes:
+            found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r])
+            if mode.interleave and block_uniform(profile):
+                found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes))
+            templates += found if r == "none" else [dataclasses.replace(t, recompute=r) for t in found]
+        if len(mode.modes) > 1:  # a pipeline that fits without recomputation beats its recomputing twin
+            templates = prune(templates)
         num_templates += len(templates)
         if not templates:
             continue

@@ -50,7 +50,7 @@ def place(
             node, offset = where[run]
             devices = tuple(f"{node.name}:{g}" for g in node.gpus[offset : offset + tp])
             where[run][1] = offset + tp
-            stages.append(cm.planned_stage(layers, devices))
+            stages.append(cm.planned_stage(layers, devices, template.recompute))
         built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     plan = Plan(
         model=cm.profile.model,

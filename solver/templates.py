@@ -74,6 +74,7 @@ class Template:
     hide_s: float = 0.0  # H: how much of its gradient reduction backward hides (solver.stages)
     last_params: int = 0  # the parameters backward produces last (the first layer's)
     chunks: int = 1  # layer chunks per stage: 1 for 1F1B, more for interleaved 1F1B (solver.interleave)
+    recompute: str = "none"  # every stage's activation recomputation (its costs are that mode's)
 
     @property
     def num_stages(self) -> int:

@@ -16,12 +16,14 @@ Which GPUs of a node a stage gets does not matter to the cost model (it compares
 a stage is listed by its node and the plan takes the node's GPUs in order.
 
 Stages are sequence parallel wherever they can be, as the solver builds them; recomputation and the
-optimizer layout are enumerated as the solver defines its space: once per recompute mode with every
-stage in it and once per pass of `solver.sharding_passes` (ZeRO-1 plans of at least 2, 4, ...
-pipelines, each stage's memory with its state sharded that far), each best plan relaxed stage by
-stage (`solver.relax_recompute`), the fastest relaxed plan kept.
+optimizer layout are enumerated as the solver defines its space: every pipeline in each recompute
+mode (all its stages in it; pipelines of one plan may differ), once per pass of
+`solver.sharding_passes` (ZeRO-1 plans of at least 2, 4, ... pipelines, each stage's memory with its
+state sharded that far), each best plan relaxed stage by stage (`solver.relax_recompute`), the
+fastest relaxed plan kept.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ class Candidate:
     usage: tuple[int, ...]  # GPUs per node
     times: dict  # m -> pipeline time
     costs: tuple  # StageCost per stage
+    recompute: str  # every stage's mode
     hide_s: float  # how much of its gradient reduction its backward hides
     last_params: int  # what its backward produces last: the first stage's first layer
 
@@ -77,26 +80,29 @@ def _score(cm: CostModel, stages, usage, mbs: int, max_m: int) -> Candidate | No
     buckets = [buckets_of(c.param_count, cm.optimizer.bucket_bytes) for c in costs]
     hide = hide_window_s([c.bwd_s for c in costs], p2p, buckets)
     first = cm.planned(0, 1, stages[0][2], mbs).param_count
-    return Candidate(stages, usage, times, costs, hide, first)
+    return Candidate(stages, usage, times, costs, cm.recompute, hide, first)
 
 
 def best_plan(
-    profile: ModelProfile, cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    micro_batch_sizes: list[int],
+    mix_modes: bool = True,
 ) -> tuple[float, Plan | None]:
-    """The fastest plan of the whole search space, by enumeration: (step time, plan)."""
+    """The fastest plan of the whole search space, by enumeration: (step time, plan). Without
+    `mix_modes`, every pipeline of a plan takes the same recompute mode (before the relaxation)."""
     best: tuple[float, Plan | None] = (math.inf, None)
     sizes = [b for b in micro_batch_sizes if global_batch_size % b == 0]
+    groups = [RECOMPUTE_PASSES] if mix_modes else [(r,) for r in RECOMPUTE_PASSES]
     modes = [
         mode
-        for recompute in RECOMPUTE_PASSES
-        for mode in sharding_passes(
-            profile, cluster, global_batch_size, sizes, recompute, "elastor", SHARDING
-        )
+        for group in groups
+        for mode in sharding_passes(profile, cluster, global_batch_size, sizes, group, "elastor", SHARDING)
     ]
     for mode in modes:
-        score, plan = _best_plan_in(
-            mode.cost_model(profile, cluster), cluster, global_batch_size, micro_batch_sizes
-        )
+        models = [mode.cost_model(profile, cluster, r) for r in mode.modes]
+        score, plan = _best_plan_in(models, cluster, global_batch_size, micro_batch_sizes)
         if plan is not None:
             plan = relax_recompute(CostModel(profile, cluster), plan)
             score = CostModel(profile, cluster).estimate(plan).step_time_s
@@ -105,8 +111,11 @@ def best_plan(
     return best
 
 
-def _best_plan_in(cm: CostModel, cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]):
-    """The fastest plan with every stage in `cm.recompute`."""
+def _best_plan_in(
+    models: list[CostModel], cluster: ClusterSpec, global_batch_size: int, micro_batch_sizes: list[int]
+):
+    """The fastest plan whose pipelines each take one of the models' recompute modes."""
+    cm = models[-1]  # gradient sync, the optimizer layout and the replicas: the same in every mode
     profile = cm.profile
     model = profile.model
     capacities = [len(n.gpus) for n in cluster.nodes]
@@ -120,15 +129,24 @@ def _best_plan_in(cm: CostModel, cluster: ClusterSpec, global_batch_size: int, m
         if global_batch_size % mbs:
             continue
         N = global_batch_size // mbs
-        score, chosen, counts = _best_multiset(cm, pipelines(cm, capacities, tps, mbs, N), capacities, N)
+        cands = [c for model in models for c in pipelines(model, capacities, tps, mbs, N)]
+        score, chosen, counts = _best_multiset(cm, cands, capacities, N)
         if score < best[0]:
             best = (score, _plan(cm, cluster, global_batch_size, mbs, chosen, counts))
     return best
 
 
 def _best_multiset(cm: CostModel, cands: list[Candidate], capacities: list[int], N: int):
-    """Every multiset of candidate pipelines that fits the nodes, each with its best split."""
+    """Every multiset of candidate pipelines that fits the nodes, each with its best split.
+
+    Candidates are listed by their GPUs per node, so a run of candidates that does not fit is passed
+    over at once (`past[i]`: the first index after i's run)."""
     best: tuple = (math.inf, None, None)
+    cands = sorted(cands, key=lambda c: c.usage)
+    past = [0] * len(cands)
+    for i in reversed(range(len(cands))):
+        same = i + 1 < len(cands) and cands[i + 1].usage == cands[i].usage
+        past[i] = past[i + 1] if same else i + 1
 
     def choose(first: int, chosen: list[Candidate], usage: list[int]) -> None:
         nonlocal best
@@ -136,13 +154,31 @@ def _best_multiset(cm: CostModel, cands: list[Candidate], capacities: list[int],
             score, counts = _best_split(cm, chosen, N)
             if score < best[0]:
                 best = (score, chosen, counts)
-        for i in range(first, len(cands)):
+        i = first
+        while i < len(cands):
             c = cands[i]
             if all(u + x <= cap for u, x, cap in zip(usage, c.usage, capacities, strict=True)):
                 choose(i, [*chosen, c], [u + x for u, x in zip(usage, c.usage, strict=True)])
+                i += 1
+            else:
+                i = past[i]
 
     choose(0, [], [0] * len(capacities))
     return best
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _sync(cm: CostModel, params: int, num_pipelines: int, multi_node: bool, last_params: int):
+    """`CostModel.sync` in the model's optimizer layout (the same few arguments recur in every split)."""
+    layout = cm.optimizer
+    return cm.sync(
+        params,
+        num_pipelines,
+        multi_node,
+        last_params=last_params,
+        sharding=layout.sharding,
+        bucket_bytes=layout.bucket_bytes,
+    )
 
 
 def _best_split(cm: CostModel, chosen: list[Candidate], N: int) -> tuple[float, list[int] | None]:
@@ -150,19 +186,8 @@ def _best_split(cm: CostModel, chosen: list[Candidate], N: int) -> tuple[float, 
     P = len(chosen)
     nodes = {node for c in chosen for *_, node in c.stages}
     multi_node = len(nodes) > 1
-    layout = cm.optimizer
     priced = [
-        (
-            cm.sync(
-                max(cost.param_count for cost in c.costs),
-                P,
-                multi_node,
-                last_params=c.last_params,
-                sharding=layout.sharding,
-                bucket_bytes=layout.bucket_bytes,
-            ),
-            c.hide_s,
-        )
+        (_sync(cm, max(cost.param_count for cost in c.costs), P, multi_node, c.last_params), c.hide_s)
         for c in chosen
     ]
     sync = plan_sync_s(priced)
@@ -193,7 +218,7 @@ def _plan(cm: CostModel, cluster, global_batch_size, mbs, chosen: list[Candidate
         for start, end, tp, node in c.stages:
             name, gpus = cluster.nodes[node].name, cluster.nodes[node].gpus[taken[node] : taken[node] + tp]
             taken[node] += tp
-            stages.append(cm.planned_stage((start, end), tuple(f"{name}:{g}" for g in gpus)))
+            stages.append(cm.planned_stage((start, end), tuple(f"{name}:{g}" for g in gpus), c.recompute))
         pipes.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
     return Plan(
         model=cm.profile.model,

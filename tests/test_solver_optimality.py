@@ -84,3 +84,22 @@ def test_solver_matches_brute_force(seed):
     assert estimate.step_time_s == pytest.approx(expected, rel=RELATIVE)
     assert plan.predicted["step_time_s"] == estimate.step_time_s
     assert plan.solver["status"] == "OPTIMAL" and plan.solver["gap"] == 0.0
+
+
+def test_pipelines_of_one_plan_may_differ_in_recompute_mode():
+    """Where memory binds so that some pipelines fit only with recomputation, the fastest plan can
+    mix pipelines with and without it: the solver finds that plan (equal to the brute force), and
+    it beats every plan whose pipelines all share one mode. The instance is a random one (seed
+    110) with its device memory at half the whole model's footprint."""
+    profile, cluster, _ = random_instance(110)
+    whole = sum(CostModel(profile, cluster).stage(0, profile.model.num_layers, 1, 1).memory_bytes(1).values())
+    device = dataclasses.replace(cluster.device, memory_bytes=int(whole * 0.5 / (1 - MEMORY_HEADROOM)))
+    cluster = dataclasses.replace(cluster, device=device)
+    expected, _ = best_plan(profile, cluster, 8, [1])
+    one_mode, _ = best_plan(profile, cluster, 8, [1], mix_modes=False)
+    plan = solver.solve(profile, cluster, 8, micro_batch_sizes=[1], sharding=SHARDING)
+    step = CostModel(profile, cluster).estimate(plan).step_time_s
+    assert step == pytest.approx(expected, rel=RELATIVE)
+    assert step < one_mode * 0.99
+    modes = [{st.recompute for st in pipe.stages} for pipe in plan.pipelines]
+    assert {"none"} in modes and any(m != {"none"} for m in modes)
