@@ -109,7 +109,8 @@ def solve(
     every pipeline template interleaved (solver.interleave: 2 to 8 layer chunks per stage).
     `recompute` pins every stage's recomputation mode (else each pass's answer gives back what its
     stages do not need), and `grid` pins the TP, PP and chunks of the uniform method's grid.
-    `progress` receives a line after each pass once the solve has run PROGRESS_AFTER_S."""
+    `progress` receives a line after each pass, and after each sub-problem of Elastor's search,
+    once the solve has run PROGRESS_AFTER_S."""
     started = time.perf_counter()
     if method not in METHODS:
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
@@ -121,12 +122,28 @@ def solve(
     best = None  # (step time, plan, info)
     passes = {}
     plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
+
+    def report(line: str) -> None:
+        elapsed = time.perf_counter() - started
+        if elapsed > PROGRESS_AFTER_S:
+            progress(f"[{elapsed:.1f} s] {line}")
+
     for modes in recompute_groups(profile, cluster, global_batch_size, sizes, method, recompute, passes):
         for mode in sharding_passes(profile, cluster, global_batch_size, sizes, modes, method, sharding):
             mode = dataclasses.replace(mode, interleave=interleave)
             upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
             found = _solve_pass(
-                profile, cluster, global_batch_size, method, sizes, time_limit_s, limits, mode, upper, grid
+                profile,
+                cluster,
+                global_batch_size,
+                method,
+                sizes,
+                time_limit_s,
+                limits,
+                mode,
+                upper,
+                grid,
+                progress=report if progress is not None else None,
             )
             if found is None:
                 passes[mode.name] = None if best is None else "no faster plan"
@@ -265,13 +282,23 @@ def check_pins(profile: ModelProfile, cluster: ClusterSpec, method: str, grid, r
 
 
 def _solve_pass(
-    profile, cluster, gbs, method, sizes, time_limit_s, limits, mode, upper_bound_s=math.inf, grid=NO_PINS
+    profile,
+    cluster,
+    gbs,
+    method,
+    sizes,
+    time_limit_s,
+    limits,
+    mode,
+    upper_bound_s=math.inf,
+    grid=NO_PINS,
+    progress=None,
 ) -> tuple[Plan, dict] | None:
     """The fastest plan of `method`'s family in pass `mode`, and its solver block; Elastor's search
     looks only for plans faster than `upper_bound_s` (None when there is none)."""
     info: dict = {"method": method}
     if method == "elastor":
-        outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
+        outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, mode, upper_bound_s, progress)
         plan = outcome.plan
     elif method == "node-drop":
         healthy = fully_healthy(cluster)
@@ -363,7 +390,7 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
 
 
 def _elastor(
-    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
     solved again with the faster baselines' pipelines among its templates. The node-drop baseline is
@@ -381,6 +408,7 @@ def _elastor(
         limits=limits,
         mode=mode,
         upper_bound_s=upper_bound_s,
+        progress=progress,
     )
     if (limits or plan_limits(profile, capacities)).complete:
         return outcome
@@ -419,6 +447,7 @@ def _elastor(
         seeds=[plan for _, plan in seeds],
         mode=mode,
         upper_bound_s=upper_bound_s,
+        progress=progress,
     )
     # With the time limit spent by the first search, the seeded one may stop before it reaches its
     # seeds' plans: the best seed is then the answer (never below a baseline, not proven optimal).

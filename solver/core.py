@@ -271,8 +271,10 @@ def search(
     upper_bound_s: float = math.inf,
     seeds: Sequence[Plan] = (),
     mode: Pass | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Outcome:
-    """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan.
+    """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan. `progress`
+    receives a line after each sub-problem solved (its time, proof, and the best plan so far).
 
     The pipelines of `seeds` (plans of other methods) join the templates of their micro-batch size,
     so a bounded search never returns a plan slower than any of them.
@@ -336,6 +338,13 @@ def search(
         proven = proven and closed
         if result is not None and (best is None or result.objective_s < best[0]):
             best = (result.objective_s, mbs, result)
+        if progress is not None:
+            so_far = f"{best[0]:.4f} s/step" if best else "none"
+            progress(
+                f"pass {mode.name}, micro-batch {mbs}, {'all nodes' if inter else 'one node'}: "
+                f"{len(templates)} templates, {'proven' if closed else 'time limit, not proven'} "
+                f"(bound {bound:.4f} s/step); best so far {so_far}"
+            )
     if best is None:
         return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates, limits)
     objective, mbs, result = best

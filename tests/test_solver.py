@@ -345,3 +345,15 @@ def test_failure_orders_are_nested_and_placed_as_named():
     assert parse_range("0..3") == [0, 1, 2, 3] and parse_range("1,4") == [1, 4]
     with pytest.raises(ElastorError):
         parse_range("a..b")
+
+
+def test_a_long_solve_reports_each_sub_problem(p7, monkeypatch):
+    """Past PROGRESS_AFTER_S (here 0) every sub-problem of the search reports its proof and the best
+    plan so far, and each pass its result; the last line's best is the plan returned."""
+    monkeypatch.setattr(solver, "PROGRESS_AFTER_S", 0.0)
+    lines: list[str] = []
+    plan = solver.solve(p7, ClusterSpec.parse("8,7", p7.device_kind), 128, progress=lines.append)
+    inner = [line for line in lines if "micro-batch" in line]
+    assert len(inner) >= 2 and all("templates" in line and "best so far" in line for line in inner)
+    assert lines[-1].startswith("[") and "pass none" in lines[-1]
+    assert f"best so far {plan.predicted['step_time_s']:.4f} s/step" in lines[-1]
