@@ -245,12 +245,20 @@ def packing_matrix(footprints: list[tuple[int, ...]]) -> np.ndarray:
 
 def prune(templates: list[Template]) -> list[Template]:
     """Drop a template when another is no worse in A, M, W, O and stage count and packs wherever it does
-    (its runs fit into this one's runs): a plan using the first can use the second instead."""
+    (its runs fit into this one's runs): a plan using the first can use the second instead. Of
+    identical templates the first is kept; the kept ones stay in their given order.
+
+    Dominance is transitive (so is packing), so it is enough to test each template against the ones
+    kept so far, visited in an order that puts every dominator before what it dominates:
+    lexicographic in A, M, W, O, stage count and L, then by the footprint's GPUs and, among equal
+    GPUs, more runs first (a footprint packs into another of as many GPUs only by splitting its runs).
+    """
     if not templates:
         return []
     prints = sorted({t.footprint for t in templates})
     index = {f: i for i, f in enumerate(prints)}
     packs = packing_matrix(prints)
+    n = len(templates)
     A = np.array([t.pipeline_s for t in templates])
     M = np.array([t.bottleneck_s for t in templates])
     W = np.array([t.max_params for t in templates])
@@ -258,16 +266,19 @@ def prune(templates: list[Template]) -> list[Template]:
     last = np.array([t.last_params for t in templates])
     P = np.array([t.num_stages for t in templates])
     F = np.array([index[t.footprint] for t in templates])
-    keep = []
-    for i, t in enumerate(templates):
-        no_worse = (A[i] >= A) & (M[i] >= M) & (W[i] >= W) & (opt[i] >= opt) & (P[i] >= P)
-        no_worse &= packs[F, F[i]] & (last[i] >= last)
-        same = (A[i] == A) & (M[i] == M) & (W[i] == W) & (opt[i] == opt) & (P[i] == P)
-        same &= (F[i] == F) & (last[i] == last)
-        no_worse[i:] &= ~same[i:]  # of identical templates keep the first
-        if not no_worse.any():
-            keep.append(t)
-    return keep
+    gpus = np.array([sum(f) for f in prints])[F]
+    runs = np.array([len(f) for f in prints])[F]
+    order = np.lexsort((np.arange(n), -runs, gpus, last, P, opt, W, M, A))  # last key first
+    kept = np.empty(n, dtype=np.int64)
+    count = 0
+    for i in order:
+        k = kept[:count]
+        beaten = (A[k] <= A[i]) & (M[k] <= M[i]) & (W[k] <= W[i]) & (opt[k] <= opt[i]) & (P[k] <= P[i])
+        beaten &= (last[k] <= last[i]) & packs[F[k], F[i]]
+        if not beaten.any():
+            kept[count] = i
+            count += 1
+    return [templates[i] for i in sorted(kept[:count].tolist())]
 
 
 def fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> int:
