@@ -392,26 +392,26 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
 def _elastor(
     profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
-    """Elastor's search. A bounded search (large instances) might miss a baseline's plan: then it is
-    solved again with the faster baselines' pipelines among its templates. The node-drop baseline is
-    one of them: a family of the search space is not closed under adding GPUs (on 255 full nodes and
-    one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must never
-    lose to dropping the partial nodes."""
-    started = time.perf_counter()
+    """Elastor's search. A bounded search (large instances) might miss a baseline's plan, so the
+    baselines run first: their pipelines join the templates, and the best of their plans bounds the
+    search, which then only looks for a faster one (and returns that baseline plan, proven optimal
+    in the family with its pipelines, when there is none). The node-drop baseline is one of them: a
+    family of the search space is not closed under adding GPUs (on 255 full nodes and one of 7 GPUs
+    it can miss the plan it finds on the 255 full nodes alone), and Elastor must never lose to
+    dropping the partial nodes."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
-    outcome = search(
-        profile,
-        cluster,
-        gbs,
-        micro_batch_sizes=sizes,
-        time_limit_s=time_limit_s,
-        limits=limits,
-        mode=mode,
-        upper_bound_s=upper_bound_s,
-        progress=progress,
-    )
     if (limits or plan_limits(profile, capacities)).complete:
-        return outcome
+        return search(
+            profile,
+            cluster,
+            gbs,
+            micro_batch_sizes=sizes,
+            time_limit_s=time_limit_s,
+            limits=limits,
+            mode=mode,
+            upper_bound_s=upper_bound_s,
+            progress=progress,
+        )
     found = [
         family(profile, cluster, gbs, sizes, recompute)
         for family in (baselines.uniform, baselines.pow2_greedy)
@@ -432,29 +432,29 @@ def _elastor(
             (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
         )
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
-    beat = min(outcome.objective_s, upper_bound_s)
-    seeds = [f for f in found if f and f[0] < beat * (1 - 1e-12)]
-    if not seeds:
-        return outcome
-    left = time_limit_s - (time.perf_counter() - started)
-    seeded = search(
+    found = [f for f in found if f]
+    best = min(found, key=lambda f: f[0], default=None)
+    outcome = search(
         profile,
         cluster,
         gbs,
         micro_batch_sizes=sizes,
-        time_limit_s=max(left, 0.0),
+        time_limit_s=time_limit_s,
         limits=limits,
-        seeds=[plan for _, plan in seeds],
+        seeds=[plan for _, plan in found],
         mode=mode,
-        upper_bound_s=upper_bound_s,
+        upper_bound_s=min(upper_bound_s, best[0] if best else math.inf),
         progress=progress,
     )
-    # With the time limit spent by the first search, the seeded one may stop before it reaches its
-    # seeds' plans: the best seed is then the answer (never below a baseline, not proven optimal).
-    cost, plan = min(seeds, key=lambda f: f[0])
-    if seeded.plan is None or seeded.objective_s > cost * (1 + 1e-12):
-        return dataclasses.replace(seeded, plan=plan, objective_s=cost, proven=False)
-    return seeded
+    # No faster plan: the best baseline is the answer, proven optimal in the family with the seeds'
+    # pipelines where every sub-problem closed (a search stopped by the time limit proves nothing).
+    if best is not None and best[0] < upper_bound_s:
+        cost, plan = best
+        if outcome.plan is None or outcome.objective_s > cost * (1 + 1e-12):
+            return dataclasses.replace(
+                outcome, plan=plan, objective_s=cost, bound_s=min(cost, outcome.bound_s)
+            )
+    return outcome
 
 
 def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:
