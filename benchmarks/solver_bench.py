@@ -1,4 +1,4 @@
-"""Solver benchmark: solve times against the issue's targets, and plan quality against the baselines.
+"""Solver benchmark: solve times against the README's targets, and plan quality against the baselines.
 
     python benchmarks/solver_bench.py [--out benchmarks/results/solver_bench.json] [--seed 0] [--chunks auto]
 

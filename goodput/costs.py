@@ -7,18 +7,19 @@ and writes in the background); a failure before then loses it.
 
 The defaults, each an order of magnitude to be replaced by measurements (`--costs costs.json` with
 any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks measure them):
-- detect_s 10: the Elastor paper's control plane as issue 6 describes it (heartbeats every 5 s, a 10 s
-  timeout). A job that waits for a NCCL watchdog instead detects failures in minutes.
-- plan_s 1: the re-planning target of the Solver and Elastic issues (re-planning <= 1 s).
+- detect_s 10: the control plane of the Elastor paper (heartbeats every 5 s, a 10 s timeout). A job
+  that waits for a NCCL watchdog instead detects failures in minutes.
+- plan_s 1: the solver's re-planning target (re-planning <= 1 s; README, Solver).
 - restart_s 120: relaunching processes, rendezvous and building NCCL communicators on thousands of
   GPUs. An assumption; for scale, FlashRecovery (arXiv:2509.03047) reports restoring training on
   4,800 devices in 150 s and TrainMover reports about 20 s on 1,024 GPUs with standby machines.
 - checkpoint state: 12 bytes per parameter (fp32 parameters and AdamW's two moments, the tensors the
-  Checkpoint issue's format stores); each pipeline holds a full copy, spread over its GPUs.
+  checkpoint format stores, runtime/checkpoint/format.py); each pipeline holds a full copy, spread
+  over its GPUs.
 - stall: a GPU's share over DEVICE_TO_HOST_GBPS; background: the whole state over STORAGE_GBPS
   (each piece is written by exactly one rank); load: the state read once over STORAGE_GBPS then
-  copied to the GPUs; a load into a different plan (reshard) takes RESHARD_FACTOR times that, the
-  Checkpoint issue's upper bound for resharded loads.
+  copied to the GPUs; a load into a different plan (reshard) takes RESHARD_FACTOR times that, an
+  upper bound for resharded loads (README, Checkpoint).
 """
 
 from dataclasses import asdict, dataclass, replace

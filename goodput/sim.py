@@ -15,7 +15,7 @@ taken when the throughput gained over one mean time between failures exceeds wha
 
 Checkpoints fall every K steps, K = the interval in seconds times the policy's failure-free steps per
 second, rounded (at least 1). At most one save is in flight: a save that falls due while the previous
-one is still being written stalls until it is durable, as the Checkpoint issue's runtime does.
+one is still being written stalls until it is durable, as runtime/checkpointing.py does.
 
 Accounting, with X0 the failure-free throughput of the reference plan (the whole cluster) and G the
 global batch, over the horizon T (an exact identity, checked by the tests):

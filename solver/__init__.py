@@ -9,7 +9,7 @@ proven relative `gap` to the best possible in that space), the wall time, how ma
 built, and `complete`: whether the space searched is the whole search space (below) or, on large
 instances, a family of it (`family`).
 
-Search space (issue 4): any number of pipelines on disjoint healthy GPUs; per pipeline any number of
+Search space: any number of pipelines on disjoint healthy GPUs; per pipeline any number of
 stages with contiguous, uneven layer ranges; per stage any TP degree that divides the heads and kv
 heads, was profiled and fits on one node (not only powers of two), on one node; an integer number of
 micro-batches per pipeline, at least its number of stages, summing to the global batch over the

@@ -1,11 +1,11 @@
 """A slow, obviously correct planner: enumerate every plan of the search space, score each, keep the best.
 
-The search space (issue 4): any number of pipelines on disjoint healthy GPUs; each pipeline any number
-of stages with contiguous layer ranges covering the model; each stage one TP degree (dividing the
-heads and kv heads, profiled, at most a node) on one node; an integer number of micro-batches per
-pipeline, at least its number of stages, summing to the global batch over the micro-batch size; GPUs
-may stay idle. Nothing is pruned: every pipeline is listed, every multiset of pipelines that fits the
-nodes, every split of the micro-batches.
+The search space (the solver's module docstring): any number of pipelines on disjoint healthy GPUs;
+each pipeline any number of stages with contiguous layer ranges covering the model; each stage one
+TP degree (dividing the heads and kv heads, profiled, at most a node) on one node; an integer number
+of micro-batches per pipeline, at least its number of stages, summing to the global batch over the
+micro-batch size; GPUs may stay idle. Nothing is pruned: every pipeline is listed, every multiset of
+pipelines that fits the nodes, every split of the micro-batches.
 
 Scoring uses the cost model's own pieces exactly as `CostModel.estimate` combines them (slowest
 pipeline + the plan's exposed gradient sync + slowest optimizer step, every stage's

@@ -100,7 +100,6 @@ def test_goodput_never_imports_torch():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(not hasattr(solver, "solve"), reason="the solver (issue 4) has not landed")
 def test_simulate_on_the_real_solver(profile_path, capsys):
     args = ["simulate", "--profile", profile_path, "--cluster", "2x4", "--global-batch-size", "8"]
     assert main([*args, "--days", "2", "--runs", "2", "--rate-factors", "1000", "--quiet"]) == 0

@@ -3,7 +3,7 @@
 Measured: the distinct non-parameter storages autograd saves when TP rank 0's shard of a layer runs
 on CPU (profiler.memory). The formula was derived from runtime/model.py tensor by tensor, not fitted,
 so the two agree to the byte except where the formula rounds up on purpose (log-sum-exp rows padded
-to 32, the vocabulary-parallel loss's mask). Tolerance: no under-prediction beyond 2% (the issue's
+to 32, the vocabulary-parallel loss's mask). Tolerance: no under-prediction beyond 2% (the planning
 bar), and no over-prediction beyond 2% either, so the formula stays tight enough to plan with.
 """
 
