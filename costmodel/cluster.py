@@ -246,6 +246,18 @@ def _check_counts(counts: list[int]) -> None:
     check_size(len(counts), max(counts, default=0), sum(counts))
 
 
+def of_kind(cluster: ClusterSpec, kind: str, spec: str) -> ClusterSpec:
+    """`cluster` (given as `spec`) if its devices are of `kind`, the profile's: a profile prices its
+    own device only, so planning another's with it would mix their speeds and memories unseen."""
+    if cluster.device.kind != kind:
+        raise ElastorError(
+            f"The profile is for {kind} devices but cluster {shown(spec)} has {cluster.device.kind} devices; "
+            f"profile that device (elastor profile --analytic --device-kind {cluster.device.kind}, or "
+            f"measured on it) or give a cluster of {kind} devices."
+        )
+    return cluster
+
+
 def parse_device(device: str) -> tuple[str, int]:
     """`"n1:3"` -> `("n1", 3)`."""
     match = _DEVICE.fullmatch(device)

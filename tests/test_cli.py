@@ -7,7 +7,7 @@ import argparse
 import json
 
 import pytest
-from helpers import CLUSTER_8_7, PLAN_HETERO, example_plan_json, run_elastor
+from helpers import CLUSTER_8_7, PLAN_HETERO, REPO, example_plan_json, run_elastor
 
 from costmodel import ClusterSpec, Plan
 from elastor.cli import build_parser, main
@@ -163,3 +163,23 @@ def test_missing_cluster_flag_is_a_usage_error():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "--cluster" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["plan", "--global-batch-size", "8", "--out", "never.json"],
+        ["estimate", str(PLAN_HETERO)],
+        ["whatif", "--global-batch-size", "8", "--quiet"],
+        ["simulate", "--global-batch-size", "8", "--quiet"],
+        ["run", "--steps", "2", "--global-batch-size", "8", "--ckpt-dir", "ckpt"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_a_profile_of_another_device_kind_than_the_cluster_is_refused(command, tmp_path):
+    """A CPU profile cannot price the H100 devices of a cluster file: one sentence naming both."""
+    profile = REPO / "profiles" / "gpt-tiny-cpu.json"
+    result = run_elastor(*command, "--profile", str(profile), "--cluster", str(CLUSTER_8_7), cwd=tmp_path)
+    assert_user_error(result, "The profile is for cpu devices but cluster")
+    assert "has H100-80GB devices" in result.stderr and result.stderr.rstrip().endswith(".")
+    assert not any(tmp_path.iterdir())

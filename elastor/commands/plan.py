@@ -5,7 +5,7 @@ import sys
 
 import solver
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
-from costmodel.cluster import MAX_CLUSTER_GPUS, MAX_GPUS_PER_NODE
+from costmodel.cluster import MAX_CLUSTER_GPUS, MAX_GPUS_PER_NODE, of_kind
 from costmodel.config import MAX_FIELD
 from costmodel.estimate import CostModel
 from costmodel.jsonio import output_path, read_json, shown, write_json
@@ -86,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_inputs(args: argparse.Namespace) -> tuple[ModelProfile, ClusterSpec]:
     """The profile, and the cluster (a short form takes the profile's device kind)."""
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    return profile, ClusterSpec.parse(args.cluster, profile.device_kind)
+    cluster = ClusterSpec.parse(args.cluster, profile.device_kind)
+    return profile, of_kind(cluster, profile.device_kind, args.cluster)
 
 
 def micro_batch_sizes(text: str | None) -> list[int] | None:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
+from costmodel.cluster import of_kind
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
 from elastor.commands.argtypes import GLOBAL_BATCH_SIZE, MAX_STEPS, SEED, STEPS, integer
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.elastic.faults import Fault
 
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    cluster = ClusterSpec.parse(args.cluster, profile.device_kind)
+    cluster = of_kind(ClusterSpec.parse(args.cluster, profile.device_kind), profile.device_kind, args.cluster)
     failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
     recoveries = [Fault.parse(f, "--inject-recovery") for f in args.inject_recovery]
     if args.node is None:

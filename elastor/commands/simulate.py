@@ -11,7 +11,7 @@ import sys
 import time
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
-from costmodel.cluster import check_size
+from costmodel.cluster import check_size, of_kind
 from costmodel.jsonio import output_dir, output_path, read_json, shown
 from costmodel.table import format_table
 from elastor.commands import subcommand
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         intervals = parse_floats(intervals, "--sweep-intervals", SECONDS.high)
     rates = parse_floats(args.rate_factors, "--rate-factors", MAX_RATE_FACTOR) if args.rate_factors else None
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    cluster = parse_cluster(args.cluster, profile.device_kind)
+    cluster = of_kind(parse_cluster(args.cluster, profile.device_kind), profile.device_kind, args.cluster)
     nodes = len(cluster.nodes)
     slices = parse_slices(args.slices, cluster, args.global_batch_size)
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
