@@ -74,3 +74,22 @@ def test_export_writes_every_parameter_under_its_hugging_face_name(tmp_path):
         for name, p in model.named_parameters():
             assert torch.equal(f.get_tensor(hf_name(name)), p.detach())
     assert (tmp_path / "x" / "config.json").is_file()
+
+
+def test_export_refuses_to_replace_an_earlier_export_without_force(tmp_path):
+    """An existing export (or a config.json beside it) is named and kept; --force replaces both."""
+    save_model(
+        tmp_path / "ckpt", trained_looking_model(TINY, seed=3), random_plan(random.Random(5), world_size=2)
+    )
+    out = tmp_path / "x" / "model.safetensors"
+    out.parent.mkdir()
+    (out.parent / "config.json").write_text('{"model_type": "someone else\'s"}\n')
+    args = ("ckpt", "export", str(tmp_path / "ckpt"), "--out", str(out))
+    refused = run_elastor(*args)
+    assert refused.returncode == 2 and "config.json" in refused.stderr and "--force" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and not out.exists()
+    assert "someone else" in (out.parent / "config.json").read_text()
+    assert run_elastor(*args, "--force").returncode == 0
+    assert out.is_file() and json.loads((out.parent / "config.json").read_text())["model_type"] == "llama"
+    again = run_elastor(*args)
+    assert again.returncode == 2 and "model.safetensors" in again.stderr

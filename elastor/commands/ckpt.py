@@ -6,9 +6,10 @@ DIR is a --ckpt-dir (meaning its newest complete checkpoint) or one checkpoint's
 import argparse
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
-from costmodel import ModelConfig, Plan
-from costmodel.jsonio import output_path
+from costmodel import ElastorError, ModelConfig, Plan
+from costmodel.jsonio import output_path, shown
 from costmodel.table import format_table
 from elastor.commands import subcommand
 
@@ -28,12 +29,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="model.safetensors",
         help="export file; config.json is written beside it (default: %(default)s)",
     )
+    p.add_argument(
+        "--force", action="store_true", help="export over an existing export file or config.json beside it"
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "export":
-        output_path(args.out)  # a bad --out fails before the checkpoint is read
+        out = output_path(args.out)  # a bad --out fails before the checkpoint is read
+        existing = [p for p in (out, Path(args.out).parent / "config.json") if p.exists()]
+        if existing and not args.force:
+            names, where = " and ".join(shown(p.name) for p in existing), shown(str(Path(args.out).parent))
+            raise ElastorError(
+                f"{names} already exist{'s' if len(existing) == 1 else ''} in {where}; "
+                "export elsewhere, or pass --force to replace."
+            )
     # Imported here: the checkpoint needs torch, which the other subcommands do not.
     from runtime.checkpoint.export import export_safetensors
     from runtime.checkpoint.format import Manifest
