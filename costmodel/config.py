@@ -325,6 +325,16 @@ def load_model_config(spec: str) -> ModelConfig:
         )
     data = read_json(path, "model config")
     if "num_hidden_layers" in data:
-        name = data.get("_name_or_path") or path.parent.name or path.stem
-        return ModelConfig.from_hf_config(data, name=str(name).split("/")[-1])
+        return ModelConfig.from_hf_config(data, name=_hf_name(data, path))
     return ModelConfig.from_json(data)
+
+
+def _hf_name(data: dict, path: Path) -> str:
+    """A Hugging Face config's model name: its own `_name_or_path` (last part), else the file's stem
+    (`llama-mini.config.json` -> llama-mini), else, for a file named config.json as a model folder
+    holds it, the folder's name."""
+    own = data.get("_name_or_path")
+    if isinstance(own, str) and own.strip("/"):
+        return own.strip("/").split("/")[-1]
+    stem = path.name.removesuffix(".json").removesuffix(".config")
+    return stem if stem != "config" else (path.resolve().parent.name or "model")

@@ -122,6 +122,14 @@ def test_hf_config_without_name_takes_its_directory_name(tmp_path):
     assert load_model_config(str(path)).name == "my-llama"
 
 
+def test_hf_config_in_a_file_of_its_own_takes_the_file_stem(tmp_path):
+    data = {k: v for k, v in LLAMA2_7B_HF.items() if k != "_name_or_path"}
+    for name in ("x.config.json", "x.json"):
+        path = tmp_path / "hidden" / name
+        write_json(path, data)
+        assert load_model_config(str(path)).name == "x"
+
+
 def test_hf_config_with_tied_embeddings_counts_them_once():
     config = ModelConfig.from_hf_config(LLAMA32_1B_HF, name="llama3.2-1b")
     assert config.tie_embeddings and config.num_kv_heads == 8 and config.rope_theta == 500000.0
