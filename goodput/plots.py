@@ -4,6 +4,7 @@ Each function returns a matplotlib `Figure` built without pyplot, so it works th
 (save it) and in a notebook (display it).
 """
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -128,14 +129,16 @@ def timeline_figure(results: Mapping[str, RunResult], days: float = 7.0, title: 
 
 
 def loss_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """The summary as percentages: goodput and each cause of loss, mean +- 95% CI half-width."""
+    """The summary as percentages: goodput and each cause of loss, mean +- 95% CI half-width (the
+    mean alone below MIN_RUNS_FOR_CI runs)."""
     out = pd.DataFrame({"policy": summary["policy"]})
     out["goodput samples/s"] = summary["goodput_samples_per_s"].round(1)
     columns = ["goodput_fraction"] + [c for c in summary.columns if c.startswith("lost_") and c[-3:] != "_ci"]
     for c in columns:
         name = "goodput %" if c == "goodput_fraction" else c.removeprefix("lost_") + " %"
         out[name] = [
-            f"{100 * m:.2f} ± {100 * h:.2f}" for m, h in zip(summary[c], summary[f"{c}_ci"], strict=True)
+            f"{100 * m:.2f}" + ("" if math.isnan(h) else f" ± {100 * h:.2f}")
+            for m, h in zip(summary[c], summary[f"{c}_ci"], strict=True)
         ]
     for c in ("interruptions", "restarts", "scale_ups"):
         out[c] = np.round(summary[c], 1)

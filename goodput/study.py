@@ -38,11 +38,16 @@ def t95(dof: int) -> float:
     return _T95[dof - 1] if dof <= len(_T95) else 1.96
 
 
+# The fewest runs a confidence interval is given for: with two, Student's t (12.7) times a
+# two-sample standard deviation spans tens of points and says nothing.
+MIN_RUNS_FOR_CI = 3
+
+
 def mean_ci(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% confidence interval (0 for a single value)."""
+    """Mean and the half-width of its 95% confidence interval (NaN below MIN_RUNS_FOR_CI values)."""
     x = np.asarray(values, dtype=float)
-    if len(x) < 2:
-        return float(x.mean()), 0.0
+    if len(x) < MIN_RUNS_FOR_CI:
+        return float(x.mean()), math.nan
     return float(x.mean()), t95(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
 
 

@@ -149,6 +149,9 @@ def test_summary_has_confidence_intervals():
     assert list(table["policy"]) == ["elastor", "wait-for-repair"]
     assert (table["runs"] == 3).all() and (table["goodput_fraction_ci"] > 0).all()
     assert mean_ci([1.0, 2.0, 3.0]) == pytest.approx((2.0, 4.303 / math.sqrt(3)))
+    for few in ([1.0], [1.0, 2.0]):  # no interval below 3 runs: two give t = 12.7, a meaningless span
+        mean, half = mean_ci(few)
+        assert mean == pytest.approx(sum(few) / len(few)) and math.isnan(half)
 
 
 def test_signature_groups_interchangeable_nodes():

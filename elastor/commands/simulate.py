@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from goodput.experiment import auto_intervals, build_study, run_experiment, write_outputs
     from goodput.plots import loss_table
     from goodput.policies import default_policies
+    from goodput.study import MIN_RUNS_FOR_CI
 
     started = time.perf_counter()
     check_outputs(args)
@@ -303,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
     )
     table = loss_table(outcome.summary)
     print(format_table([list(table.columns), *table.astype(str).values.tolist()]))
+    if args.runs < MIN_RUNS_FOR_CI:
+        print(f"(means of {args.runs} run(s): confidence intervals need --runs {MIN_RUNS_FOR_CI} or more)")
     if outcome.best is not None:
         rows = [("policy", "best interval s", "grid best s", "vs Young", "vs Daly", "goodput %")]
         for _, b in outcome.best.iterrows():
