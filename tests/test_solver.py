@@ -4,6 +4,7 @@ against the cost model, the baselines and the one-sentence infeasibility errors.
 import itertools
 import random
 
+import pandas as pd
 import pytest
 from helpers import TIED_TINY
 from synthetic import synthetic_profile
@@ -12,6 +13,7 @@ import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.estimate import CostModel
 from profiler.analytic import analytic_profile
+from solver import whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
 from solver.master import Packing, balance, maximal_patterns
@@ -357,3 +359,19 @@ def test_a_long_solve_reports_each_sub_problem(p7, monkeypatch):
     assert len(inner) >= 2 and all("templates" in line and "best so far" in line for line in inner)
     assert lines[-1].startswith("[") and "pass none" in lines[-1]
     assert f"best so far {plan.predicted['step_time_s']:.4f} s/step" in lines[-1]
+
+
+def test_the_what_if_reference_line_is_the_healthy_share_of_the_best_plan():
+    """The dashed line is what its label says: the fewest-failure best throughput times the healthy
+    share; plans may sit above it (a smaller cluster can split better), so it is not called ideal."""
+    frame = pd.DataFrame(
+        {
+            "failures": [0, 0, 4, 4],
+            "healthy_gpus": [32, 32, 28, 28],
+            "method": ["elastor", "uniform", "elastor", "uniform"],
+            "samples_per_s": [64.0, 60.0, 57.0, 50.0],
+        }
+    )
+    share = whatif.proportional_line(frame)
+    assert share(32) == 64.0 and share(28) == pytest.approx(56.0) and share(16) == pytest.approx(32.0)
+    assert "proportional" in whatif.throughput_table(frame).splitlines()[0]

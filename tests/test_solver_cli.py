@@ -75,4 +75,4 @@ def test_whatif_writes_the_csv_and_the_plot(tmp_path, capsys):
         assert (other.isna() | (elastor >= other * (1 - 1e-12))).all(), method
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "failures  healthy" in printed and "ideal" in printed
+    assert "failures  healthy" in printed and "proportional" in printed
