@@ -400,39 +400,8 @@ def _elastor(
     it can miss the plan it finds on the 255 full nodes alone), and Elastor must never lose to
     dropping the partial nodes."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
-    if (limits or plan_limits(profile, capacities)).complete:
-        return search(
-            profile,
-            cluster,
-            gbs,
-            micro_batch_sizes=sizes,
-            time_limit_s=time_limit_s,
-            limits=limits,
-            mode=mode,
-            upper_bound_s=upper_bound_s,
-            progress=progress,
-        )
-    found = [
-        family(profile, cluster, gbs, sizes, recompute)
-        for family in (baselines.uniform, baselines.pow2_greedy)
-        for recompute in mode.modes
-    ]
-    whole = fully_healthy(cluster)
-    if whole is not None and len(whole.nodes) < len(capacities):
-        # Clusters that differ only in their partial nodes drop to the same one: solve it once.
-        key = (
-            json.dumps(whole.to_json(), sort_keys=True),
-            gbs,
-            tuple(sizes),
-            time_limit_s,
-            limits,
-            mode,
-        )
-        dropped = _DROPPED.get(
-            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
-        )
-        found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
-    found = [f for f in found if f]
+    complete = (limits or plan_limits(profile, capacities)).complete
+    found = [] if complete else _baseline_plans(profile, cluster, gbs, sizes, time_limit_s, limits, mode)
     best = min(found, key=lambda f: f[0], default=None)
     outcome = search(
         profile,
@@ -455,6 +424,27 @@ def _elastor(
                 outcome, plan=plan, objective_s=cost, bound_s=min(cost, outcome.bound_s)
             )
     return outcome
+
+
+def _baseline_plans(
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass
+) -> list[tuple[float, Plan]]:
+    """(step time, plan) of uniform and pow2-greedy in every mode of the pass, and of node-drop
+    where some node is partial (Elastor's search on the full nodes, once per such cluster)."""
+    found = [
+        family(profile, cluster, gbs, sizes, recompute)
+        for family in (baselines.uniform, baselines.pow2_greedy)
+        for recompute in mode.modes
+    ]
+    whole = fully_healthy(cluster)
+    if whole is not None and len(whole.nodes) < len([n for n in cluster.nodes if n.gpus]):
+        # Clusters that differ only in their partial nodes drop to the same one: solve it once.
+        key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
+        dropped = _DROPPED.get(
+            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
+        )
+        found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
+    return [f for f in found if f]
 
 
 def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:

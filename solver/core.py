@@ -313,7 +313,7 @@ def search(
             found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r])
             if mode.interleave and block_uniform(profile):
                 found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes))
-            templates += found if r == "none" else [dataclasses.replace(t, recompute=r) for t in found]
+            templates += [t if t.recompute == r else dataclasses.replace(t, recompute=r) for t in found]
         if len(mode.modes) > 1:  # a pipeline that fits without recomputation beats its recomputing twin
             templates = prune(templates)
         num_templates += len(templates)
