@@ -35,6 +35,15 @@ from costmodel.errors import ElastorError
 from costmodel.layout import sync_buckets
 from costmodel.plan import Plan
 
+# Set by `elastor run` for its workers. torchrun only starts and watches them there: its rendezvous
+# assigns node ranks in its own order, and its store would listen on every interface. So the workers
+# take their ranks from the plan (the first rank of their node plus the local rank) and rank 0 hosts
+# the job's store at ELASTOR_MASTER (HOST:PORT), on that address only.
+ENV_MASTER = "ELASTOR_MASTER"
+ENV_FIRST_RANK = "ELASTOR_FIRST_RANK"
+ENV_VISIBLE_GPUS = "ELASTOR_VISIBLE_GPUS"  # the physical ids behind CUDA_VISIBLE_DEVICES, set with it
+_LISTENING: list = []  # the sockets this process's stores serve from
+
 DEFAULT_TIMEOUT_S = 300.0  # long enough for a first NCCL step on a large model, short enough to notice a hang
 
 
@@ -60,6 +69,19 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
+def _bound_store(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The job's store at ELASTOR_MASTER, hosted by rank 0 on exactly that address (torch's own env://
+    store listens on every interface; runtime.elastic.store explains the fix)."""
+    from runtime.elastic.store import host_store
+
+    host, _, port = os.environ[ENV_MASTER].rpartition(":")
+    if rank == 0:
+        store, sock = host_store(host, int(port), timeout_s=timeout_s)
+        _LISTENING.append(sock)  # the store serves from this socket for the life of the process
+        return store
+    return dist.TCPStore(host, int(port), world_size, False, timedelta(seconds=timeout_s))
+
+
 def init_distributed(
     plan: Plan, *, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> DistContext:
@@ -67,6 +89,8 @@ def init_distributed(
     launched = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if launched and ENV_FIRST_RANK in os.environ:  # `elastor run`: ranks follow the plan's node order
+        rank = int(os.environ[ENV_FIRST_RANK]) + int(os.environ["LOCAL_RANK"])
     check_world_size(plan, world_size)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,13 +107,25 @@ def init_distributed(
                 f"{on_node.index(name)}-th device of node {node}; start one torchrun per node in the "
                 "plan's node order with as many processes as the plan gives that node."
             )
-        torch_device = torch.device("cuda", gpu)
+        # Under `elastor run` a worker sees only its node's GPUs of the plan (CUDA_VISIBLE_DEVICES, in
+        # the plan's order), so GPU g is the index of g in that list.
+        visible = os.environ.get(ENV_VISIBLE_GPUS)
+        index = [int(g) for g in visible.split(",")].index(gpu) if visible else gpu
+        torch_device = torch.device("cuda", index)
         torch.cuda.set_device(torch_device)
         backend = "nccl"
     else:
         torch_device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if launched:
+    if launched and ENV_MASTER in os.environ:
+        dist.init_process_group(
+            backend,
+            store=_bound_store(rank, world_size, timeout_s),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    elif launched:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

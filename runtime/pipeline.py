@@ -31,6 +31,7 @@ from costmodel import schedule
 from costmodel.boundary import Transfer, routes, stage_ranges
 from costmodel.plan import Plan, Stage
 from costmodel.schedule import Op
+from runtime.elastic import progress
 from runtime.stage import StageModule
 
 
@@ -135,8 +136,9 @@ class PipelineSchedule(_Schedule):
             )
             ops.append(dist.P2POp(dist.irecv, pieces[-1], peer))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with progress.current.waiting():
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
         if not pieces:
             return None
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
@@ -148,6 +150,7 @@ class PipelineSchedule(_Schedule):
     # ---- compute -------------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor | None, batch: torch.Tensor) -> torch.Tensor:
         """Hidden states to send on, or (last stage) this micro-batch's share of the loss (fp32)."""
+        progress.current.mark("forward")
         out = self.model(batch[:, :-1] if x is None else x)
         if self.model.is_last:
             return self.model.loss_sum(out, batch[:, 1:]) / self.global_tokens
@@ -156,6 +159,7 @@ class PipelineSchedule(_Schedule):
     def _backward(
         self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None
     ) -> torch.Tensor | None:
+        progress.current.mark("backward")
         torch.autograd.backward(y, grad)
         return None if x is None else x.grad
 
@@ -257,8 +261,9 @@ class InterleavedSchedule(_Schedule):
             self._cursor[src] += 1
             self._posted[src][sent] = self._post_receive(sent.kind)
         pieces, works = self._posted[src].pop(wanted)
-        for work in works:
-            work.wait()
+        with progress.current.waiting():
+            for work in works:
+                work.wait()
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def _send(self, tensor: torch.Tensor, to: list) -> None:
@@ -280,6 +285,7 @@ class InterleavedSchedule(_Schedule):
         loss = torch.zeros((), device=self.device)
         for op in self.program:
             i, k = op.micro_batch, op.chunk
+            progress.current.mark("forward" if op.kind == "F" else "backward")
             if op.kind == "F":
                 if self.model.starts(k):
                     x, y = None, self.model(micro_batches[i][:, :-1], chunk=k)
@@ -298,7 +304,8 @@ class InterleavedSchedule(_Schedule):
                 torch.autograd.backward(y, grad)
                 if x is not None:
                     self._send(x.grad, self.send_bwd)
-        for work, _ in self._sending:
-            work.wait()
+        with progress.current.waiting():
+            for work, _ in self._sending:
+                work.wait()
         self._sending = []
         return loss

@@ -28,6 +28,7 @@ from costmodel.plan import Plan
 from runtime.data import Prefetcher, open_source, pipeline_samples
 from runtime.dist_optim import MainState
 from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
+from runtime.elastic import progress
 from runtime.optim import OptimConfig, build_optimizer, set_lr
 from runtime.pipeline import make_schedule
 from runtime.precision import DTYPES
@@ -104,14 +105,16 @@ class Trainer:
         start = time.perf_counter()
         self.main.zero_grad()
         loss = self.schedule.run(self._micro_batches())  # hooks issue the bucket reductions
-        self.main.finish_reduction()
+        with progress.current.waiting():
+            self.main.finish_reduction()
         totals = torch.stack(
             [
                 self.main.owned_square_sum(),
                 loss.float() if self.reports_loss else torch.zeros((), device=self.ctx.device),
             ]
         )
-        dist.all_reduce(totals)
+        with progress.current.waiting():
+            dist.all_reduce(totals)
         norm, global_loss = totals[0].sqrt().item(), totals[1].item()
         coef = self.optim.clip_coefficient(norm)
         if coef < 1.0:
@@ -122,6 +125,7 @@ class Trainer:
         self.main.publish()
         self.step += 1
         self.cursor += self.plan.global_batch_size
+        progress.current.step_done(self.step)
         return StepResult(
             step=self.step, loss=global_loss, grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start
         )

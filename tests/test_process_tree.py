@@ -17,20 +17,20 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import REPO, elastor_run, run_env
+from proc_helpers import MARK, children, cmdline, descendants, gone_within, marked
 
 from runtime.elastic.lifeline import ORPHAN_BOUND_S, SUPERVISOR_STOP_S
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 START_TIMEOUT_S = 120  # from the launch to the workers' first step, on a loaded machine
-MARK = "ELASTOR_TEST_PROCESS_TREE"  # in the environment of every process a test starts, for cleanup
 
 
 def test_sigkill_of_the_launcher_takes_the_whole_tree_down(tmp_path):
     with _run(tmp_path) as (launcher, tree):
         launcher.kill()
         launcher.wait()
-        assert _gone_within(tree, ORPHAN_BOUND_S) == set()
+        assert gone_within(tree, ORPHAN_BOUND_S) == set()
 
 
 @pytest.mark.slow  # about 12 s; the launcher's SIGKILL case runs in make test
@@ -38,19 +38,28 @@ def test_sigterm_of_the_launcher_stops_every_process_before_it_exits(tmp_path):
     with _run(tmp_path) as (launcher, tree):
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=SUPERVISOR_STOP_S) == 128 + signal.SIGTERM
-        assert _gone_within(tree, 1.0) == set()
+        assert gone_within(tree, 1.0) == set()
 
 
 @pytest.mark.slow  # about 12 s; the launcher's SIGKILL case runs in make test
-def test_sigkill_of_a_supervisor_takes_its_workers_down_and_ends_the_run(tmp_path):
-    with _run(tmp_path) as (launcher, tree):
-        supervisor = next(p for p in _children(launcher.pid) if "--node=n1" in _cmdline(p))
-        below = _descendants(supervisor)
+def test_sigkill_of_a_supervisor_takes_its_workers_down_and_the_others_go_on(tmp_path):
+    with _run(tmp_path) as (launcher, _tree):
+        supervisor = next(p for p in children(launcher.pid) if "--node=n1" in cmdline(p))
+        below = descendants(supervisor)
         assert below, "the supervisor of n1 has no workers"
         os.kill(supervisor, signal.SIGKILL)
-        assert _gone_within(below, ORPHAN_BOUND_S) == set()
-        assert launcher.wait(timeout=SUPERVISOR_STOP_S) == 128 + signal.SIGKILL  # it stops the other node
-        assert _gone_within(tree, 1.0) == set()
+        assert gone_within(below, ORPHAN_BOUND_S) == set()
+        time.sleep(1.0)
+        assert launcher.poll() is None  # a lost non-leader node does not end the run
+
+
+@pytest.mark.slow  # about 12 s; the launcher's SIGKILL case runs in make test
+def test_sigkill_of_the_leaders_supervisor_ends_the_run_and_every_process(tmp_path):
+    with _run(tmp_path) as (launcher, tree):
+        supervisor = next(p for p in children(launcher.pid) if "--node=n0" in cmdline(p))
+        os.kill(supervisor, signal.SIGKILL)  # it hosts the rendezvous: nobody can go on
+        assert launcher.wait(timeout=SUPERVISOR_STOP_S) == 128 + signal.SIGKILL
+        assert gone_within(tree, ORPHAN_BOUND_S) == set()
 
 
 class _run:
@@ -73,7 +82,7 @@ class _run:
             assert self.launcher.poll() is None, (self.tmp / "launcher.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the workers did not start training"
             time.sleep(0.2)
-        tree = _descendants(self.launcher.pid)
+        tree = descendants(self.launcher.pid)
         assert len(tree) >= 6, tree  # two supervisors, their torchruns and one worker each
         return self.launcher, tree
 
@@ -81,7 +90,7 @@ class _run:
         if self.launcher.poll() is None:
             self.launcher.kill()
         self.launcher.wait()
-        for pid in _marked(self.mark):
+        for pid in marked(self.mark):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -96,56 +105,3 @@ def _trained_a_step(metrics: Path) -> bool:
         except json.JSONDecodeError:
             pass
     return False
-
-
-def _gone_within(pids: set[int], seconds: float) -> set[int]:
-    """The pids of `pids` still alive (zombies count as gone) after waiting up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while (alive := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def _stat(pid: int) -> list[bytes] | None:
-    """/proc/PID/stat's fields after the command name: state, ppid, ..."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in (b"Z", b"X")
-
-
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p))) and int(s[1]) == pid]
-
-
-def _descendants(pid: int) -> set[int]:
-    found, frontier = set(), [pid]
-    while frontier:
-        frontier = [c for p in frontier for c in _children(p)]
-        found.update(frontier)
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _marked(mark: str) -> list[int]:
-    """Every process whose environment carries this test's mark."""
-    needle = f"{MARK}={mark}".encode()
-    found = []
-    for p in os.listdir("/proc"):
-        try:
-            if p.isdigit() and needle in Path(f"/proc/{p}/environ").read_bytes().split(b"\0"):
-                found.append(int(p))
-        except OSError:
-            pass
-    return found

@@ -9,7 +9,7 @@ from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.cluster import of_kind
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
-from elastor.commands.argtypes import GLOBAL_BATCH_SIZE, MAX_STEPS, SEED, STEPS, integer
+from elastor.commands.argtypes import GLOBAL_BATCH_SIZE, MAX_STEPS, SEED, STEPS, integer, real
 from elastor.commands.train import LR, TIMEOUT_S
 
 EXAMPLE = (
@@ -24,6 +24,12 @@ TRAIN_FLAGS = ("data", "seed", "lr", "warmup_steps", "timeout_s")
 MAX_RESTARTS = 10
 RESTARTS = integer(0, 10_000)
 POSITIVE_STEPS = integer(1, MAX_STEPS)
+SECONDS = real(1.0, 86_400.0)
+# A rank without progress for this long is hung: well under the workers' collective timeout (60 s by
+# default), so that a hang costs seconds rather than a timeout; long enough for a step's slowest phase.
+HANG_TIMEOUT_S = 20.0
+LEASE_S = 10.0  # a node whose heartbeat stops for this long is lost
+ROUND_DEADLINE_S = 60.0  # how long the leader waits for a round's health reports
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,6 +85,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "same GPUs and without a newer checkpoint, ends it at once",
     )
     p.add_argument(
+        "--hang-timeout-s",
+        type=SECONDS,
+        default=HANG_TIMEOUT_S,
+        help=f"a worker without progress for this long is hung: its node's workers are killed and the "
+        f"round re-planned without its GPU, {SECONDS} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lease-s",
+        type=SECONDS,
+        default=LEASE_S,
+        help=f"a node whose supervisor's heartbeat stops for this long is lost and left out, {SECONDS} "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--round-deadline-s",
+        type=SECONDS,
+        default=ROUND_DEADLINE_S,
+        help=f"how long the leader waits for the nodes' health reports before a round goes on without "
+        f"the missing ones, {SECONDS} (default: %(default)s)",
+    )
+    p.add_argument(
         "--inject-failure",
         action="append",
         default=[],
@@ -98,7 +125,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--nodes", help="every node's name, comma-separated; the first one leads")
     node.add_argument("--rdzv-endpoint", help="HOST:PORT of the leader's rendezvous (the ports above it too)")
     node.add_argument("--gpus", help="this node's GPU ids (default: every GPU torch sees)")
-    node.add_argument("--host", default="127.0.0.1", help="this node's address for the workers' rendezvous")
+    node.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="this node's address: its stores (the leader's rendezvous, the workers' own) listen on it "
+        "only (default: %(default)s)",
+    )
+    node.add_argument(
+        "--token-file",
+        help="the job's shared secret (the same file on every node, private to its owner): every "
+        "rendezvous message is signed with it, and unsigned ones are ignored; needed with --node",
+    )
     p.set_defaults(run=run)
 
 
@@ -118,10 +155,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_node(args, profile, cluster, failures, recoveries) -> int:
     from runtime.elastic.rendezvous import Rendezvous
+    from runtime.elastic.store import read_token
     from runtime.elastic.supervisor import NodeSupervisor, RunConfig
 
     if not (args.nodes and args.rdzv_endpoint):
         raise ElastorError("--node needs --nodes and --rdzv-endpoint HOST:PORT.")
+    if not args.token_file:
+        raise ElastorError(
+            "--node needs --token-file, a shared secret readable by its owner only and the same on every "
+            "node (`python -c 'import secrets; print(secrets.token_hex(32))' > token && chmod 600 token`)."
+        )
+    token = read_token(args.token_file)
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise ElastorError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT.")
@@ -139,12 +183,25 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
         train_args=tuple(_train_args(args)),
         failures=failures,
         recoveries=recoveries,
+        hang_timeout_s=args.hang_timeout_s,
     )
     gpus = _gpus(args.gpus, args.device)
     # SIGTERM (the launcher, a scheduler) unwinds through the supervisor, which stops its workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rendezvous = Rendezvous(host, int(port), args.nodes.split(","), args.node)
-    code = NodeSupervisor(config, rendezvous, gpus, host=args.host).run()
+    rendezvous = Rendezvous(
+        host,
+        int(port),
+        args.nodes.split(","),
+        args.node,
+        token=token,
+        bind_host=args.host,
+        lease_s=args.lease_s,
+        deadline_s=args.round_deadline_s,
+    )
+    try:
+        code = NodeSupervisor(config, rendezvous, gpus, host=args.host).run()
+    finally:
+        rendezvous.close()
     if rendezvous.is_leader and code == 0:
         _print_report(config.metrics)
     return code
@@ -180,6 +237,9 @@ def _supervisor_args(args) -> list[str]:
         f"--max-restarts={args.max_restarts}",
         f"--method={args.method}",
         f"--device={args.device}",
+        f"--hang-timeout-s={args.hang_timeout_s}",
+        f"--lease-s={args.lease_s}",
+        f"--round-deadline-s={args.round_deadline_s}",
         *(
             f"--{flag.replace('_', '-')}={getattr(args, flag)}"
             for flag in TRAIN_FLAGS

@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.checkpointing import CheckpointHook, reconcile_schedule, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
+    from runtime.elastic import progress
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
     from runtime.optim import OptimConfig
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
     source = open_source(args.data, plan.model.vocab_size, plan.seq_len, args.seed)  # errors before joining
     ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
+    progress.current.start(ctx.device_name)  # read by `elastor run`'s hang detection
     if ctx.is_cuda and plan.dtype == "float32":  # fp32 plans run their matrix products in TF32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -2,23 +2,27 @@
 node), and plain local torchrun jobs for benchmarks.
 
 Each supervisor is exactly what a node of a real cluster runs (`elastor run --node NAME --nodes ...
---rdzv-endpoint HOST:PORT`), given its node's GPUs; here they all rendezvous on loopback and their
-workers run on the CPU, one process per simulated GPU. The launcher starts them, forwards SIGTERM and
-Ctrl-C to them and waits for them, and returns the leader's exit code; the supervisors die with it
-(runtime.elastic.lifeline).
+--rdzv-endpoint HOST:PORT --token-file F`), given its node's GPUs; here they all rendezvous on
+loopback, with a token the launcher makes for the run, and their workers run on the CPU, one process
+per simulated GPU. The launcher starts them, forwards SIGTERM and Ctrl-C to them and waits for them,
+and returns the leader's exit code; the supervisors die with it (runtime.elastic.lifeline).
 """
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from costmodel.cluster import ClusterSpec
 from runtime.elastic import lifeline
 from runtime.elastic.lifeline import SUPERVISOR_GRACE_S, SUPERVISOR_STOP_S
+from runtime.elastic.store import write_token
 
 POLL_S = 0.1
 
@@ -75,13 +79,15 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
     SIGTERM and Ctrl-C are forwarded to the supervisors, who stop their workers; the launcher waits
     for them (SUPERVISOR_STOP_S at most, then SIGKILL). Each supervisor runs under a lifeline to the
     launcher, so killing the launcher outright takes the whole tree down too, within
-    lifeline.ORPHAN_BOUND_S. A supervisor killed by a signal ends the run (exit 128 + the signal):
-    without it, the other nodes cannot agree on a round.
+    lifeline.ORPHAN_BOUND_S. A node's supervisor killed by a signal is a lost host: the others go on
+    without it; the leader's ends the run (exit 128 + the signal), since it hosts the rendezvous.
     """
     names = [n.name for n in cluster.nodes]
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, lifeline.ENV_PARENT: str(os.getpid())}
     children: list[subprocess.Popen] = []
+    secret = Path(tempfile.mkdtemp(prefix="elastor-token-"))
+    token = write_token(secret / "token")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for node in cluster.nodes:
@@ -97,24 +103,36 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
                 f"--nodes={','.join(names)}",
                 f"--gpus={','.join(str(g) for g in node.gpus)}",
                 f"--rdzv-endpoint={endpoint}",
+                f"--token-file={token}",
             ]
             children.append(subprocess.Popen(command, env=env, start_new_session=True))
+        told: set[str] = set()
         while None in (codes := [c.poll() for c in children]):
-            killed = [(n, -code) for n, code in zip(names, codes, strict=True) if code and code < 0]
-            if killed:  # the others would wait for it forever: stop them (finally)
-                name, signum = killed[0]
+            for name, code in zip(names, codes, strict=True):
+                if code is None or code >= 0 or name in told:
+                    continue
+                told.add(name)
+                signum = -code
+                if name == names[0]:  # the leader hosts the rendezvous: the others cannot go on
+                    print(
+                        f"elastor run: the leader {name}'s supervisor was killed by "
+                        f"{signal.Signals(signum).name}; stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 128 + signum
                 print(
                     f"elastor run: the supervisor of {name} was killed by {signal.Signals(signum).name}; "
-                    "stopping the others",
+                    "the others go on without that node",
                     file=sys.stderr,
                     flush=True,
                 )
-                return 128 + signum
             time.sleep(POLL_S)
     finally:
         _stop_all(children)
         signal.signal(signal.SIGTERM, previous)
-    return codes[0] or max(codes, key=abs)
+        shutil.rmtree(secret, ignore_errors=True)
+    return codes[0]
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:

@@ -1,8 +1,11 @@
 """The recovery breakdown, read back from the metrics file: every second between a failure and the
 first step after it, and throughput before and after.
 
-For each injected failure (a `failure_injected` event), in file order:
-    detect     = failure_detected - failure_injected   (torchrun notices, the supervisor reports it)
+For each failure, in file order: an injected one (a `failure_injected` event), or one the supervisors
+found themselves, a lost node or a hung GPU (a `failure_detected` event whose `failed_since_s` says
+when it happened: the node's last heartbeat, the hung rank's last progress):
+    detect     = failure_detected - the failure       (torchrun notices, or the lease or the hang
+                                                        timeout runs out, and the supervisor reports it)
     rendezvous = replanned - failure_detected - solve  (every node's health report gathered)
     plan       = the solver's wall time
     restart    = (restored - load) - replanned           (processes started, rendezvous, model built)
@@ -50,7 +53,9 @@ def recoveries(records: list[dict[str, Any]]) -> list[Recovery]:
     for i, rec in enumerate(records):
         event = rec.get("event")
         if event == "failure_injected":
-            found += _failure(records, i, devices)
+            found += _failure(records, i, devices, rec["time_s"])
+        elif event == "failure_detected" and rec.get("failed_since_s") and not _injected(records, i):
+            found += _failure(records, i, devices, rec["failed_since_s"])
         elif event == "replanned":
             if devices is not None and rec["devices"] > devices and not _after_failure(records, i):
                 found += _scale_up(records, i, devices)
@@ -73,6 +78,17 @@ def _after_failure(records, i: int) -> bool:
     return False
 
 
+def _injected(records, i: int) -> bool:
+    """Whether the failure detected at `i` was injected (a failure_injected since the last replanning)."""
+    for j in range(i - 1, -1, -1):
+        event = records[j].get("event")
+        if event == "failure_injected":
+            return True
+        if event == "replanned":
+            return False
+    return False
+
+
 def _throughput(records, lo: int, hi: int) -> float | None:
     rates = [
         r["samples_per_s"]
@@ -86,7 +102,7 @@ def _previous(records, i: int, event: str) -> int:
     return next((j for j in range(i - 1, -1, -1) if records[j].get("event") == event), 0)
 
 
-def _failure(records, i: int, devices: int | None) -> list[Recovery]:
+def _failure(records, i: int, devices: int | None, failed_s: float) -> list[Recovery]:
     detected = _next(records, i, "failure_detected")
     replanned = _next(records, detected or i, "replanned")
     restored = _next(records, replanned or i, "restored")
@@ -96,13 +112,13 @@ def _failure(records, i: int, devices: int | None) -> list[Recovery]:
     t = {
         k: records[j]["time_s"]
         for k, j in (
-            ("fail", i),
             ("det", detected),
             ("plan", replanned),
             ("rest", restored),
             ("res", resumed),
         )
     }
+    t["fail"] = failed_s
     load = records[restored].get("load_s", 0.0)
     solve = records[replanned]["solve_s"]
     phases = {

@@ -2,30 +2,40 @@
 
 Every node runs one (`elastor run --node NAME ...`); the first node of `--nodes` also leads. A round:
 
-1. each supervisor reports its healthy GPUs (CUDA: every GPU is probed in a subprocess; simulated
-   nodes: the GPUs they were given, less those an injected failure killed);
-2. the leader builds the live cluster, solves the plan (`solver.solve`, the same for every node since
-   only the leader solves), picks the step to stop at (a checkpoint boundary where a failed GPU comes
-   back) and publishes the decision; an infeasible cluster ends the run with one sentence, the
-   checkpoints untouched;
-3. every node in the plan starts `torchrun` with static rendezvous (its node rank is its place in the
-   plan's node order, so global ranks follow the plan's device order; the master is the plan's first
-   node, on port rendezvous port + 1 + round) running `elastor train`, which resumes from the newest
-   complete checkpoint, resharding it to the new plan;
-4. a node whose workers die reports it, with the error it found in their output; the others stop
-   their own workers at once instead of waiting for a collective to time out. The leader records
+1. each supervisor reports its healthy GPUs (CUDA: every GPU is probed at once, each in a process of
+   its own that sees only that GPU, with a bounded wait; simulated nodes: the GPUs they were given,
+   less those an injected failure killed or a hang took out);
+2. the leader waits for the reports (runtime.elastic.rendezvous: until every node has reported or is
+   lost, or the round's deadline), builds the live cluster, solves the plan (`solver.solve`, the same
+   for every node since only the leader solves), picks the step to stop at (a checkpoint boundary
+   where a failed GPU comes back) and publishes the decision; an infeasible cluster ends the run
+   with one sentence, the checkpoints untouched;
+3. every node in the plan starts `torchrun`, a client of the leader's store for its own rendezvous,
+   running `elastor train`, which resumes from the newest complete checkpoint, resharding it to the
+   new plan. The workers take their ranks from the plan (their node's place in the plan's node order,
+   so global ranks follow the plan's device order) and their store is hosted by rank 0 on the plan's
+   first node, port rendezvous port + 1 + round, on that node's --host only; on CUDA each worker sees
+   only its node's GPUs of the plan, and PyTorch's NCCL flight recorder dumps beside the round's log;
+4. a node whose workers die reports it, with the error it found in their output; a node whose worker
+   hangs (runtime.elastic.progress: no progress for --hang-timeout-s) kills its workers at once and
+   reports the hung GPU, which the plans leave out from then on; a node that is lost (its heartbeat
+   stopped) is reported by the leader. The others stop their own workers at once instead of waiting
+   for a collective to time out. The leader records
    `failure_detected` and the next round begins, unless restarting cannot help: the round failed with
    the same error as the one before, on the same GPUs, without a newer checkpoint; or more rounds
    failed than `--max-restarts` allows. Then the run stops with that error in one sentence (exit 2).
 
 Processes: torchrun and each of its workers run under `runtime.elastic.lifeline`, so they die with
 their parent; the supervisor is a child subreaper (Linux), so a worker that outlives its torchrun
-becomes its child, and it kills whatever is left of a round when the round ends.
+becomes its child, and it kills whatever is left of a round when the round ends. Stopping a round
+gives torchrun longer than torch's own grace for its workers (lifeline.TORCHRUN_STOP_S).
 
-Events the leader appends to the metrics file: `failure_detected`, `replanned` (with the plan and the
+Events the leader appends to the metrics file: `failure_detected` (with the cause: `worker`, `lost`
+or `hung`, and when the failure happened as far as it can tell), `replanned` (with the plan and the
 solver's wall time); the workers' rank 0 adds `start`, `restored`, `resumed`, `checkpoint_saved`, `done`.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -44,13 +54,17 @@ from costmodel.profile import ModelProfile
 from runtime.checkpoint import CheckpointError, checkpoint_meta
 from runtime.checkpoint.lock import ENV_JOB, lock_directory
 from runtime.checkpoint.store import committed
-from runtime.elastic import faults, lifeline
+from runtime.distributed import ENV_FIRST_RANK, ENV_MASTER, ENV_VISIBLE_GPUS
+from runtime.elastic import faults, lifeline, progress
 from runtime.elastic.faults import Fault
 from runtime.elastic.rendezvous import Rendezvous
 from runtime.metrics import MetricsWriter
 
 POLL_S = 0.05
-PROBE_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 60.0  # a GPU whose probe has not passed by then is left out
+# The NCCL flight recorder (torch.distributed's trace of recent collectives, dumped when a collective
+# times out): entries kept per process, on CUDA unless the environment already says otherwise.
+NCCL_TRACE_ENTRIES = 2000
 LOG_TAIL_BYTES = 64 << 10  # how much of a failed round's worker output is searched for its error
 _UNDER_LIFELINE = (sys.executable, "-m", "runtime.elastic.lifeline")
 
@@ -72,6 +86,7 @@ class RunConfig:
     train_args: tuple[str, ...] = ()  # passed through to `elastor train`
     failures: tuple[Fault, ...] = ()
     recoveries: tuple[Fault, ...] = ()
+    hang_timeout_s: float = 20.0  # a rank without progress for this long is hung
 
     @property
     def log_dir(self) -> Path:
@@ -85,7 +100,10 @@ class _LeaderState:
 
     recovered: set[Fault] = field(default_factory=set)
     stop_at: int = 0
-    failed_at: float | None = None  # when the first non-zero exit of the last round was reported
+    failed_at: float | None = None  # when the last round's first failure was noticed (wall clock)
+    failed_since: float | None = None  # when it happened, where that is known (a lost node, a hang)
+    cause: str | None = None  # what it was: "worker", "lost" or "hung"
+    hung: set[str] = field(default_factory=set)  # devices a hang took out: never planned again
     failures: int = 0  # failed rounds so far
     # The last round's (error, plan devices, checkpointed step after it) if it failed, else None.
     last_failure: tuple[str, tuple[str, ...], int] | None = None
@@ -100,6 +118,8 @@ class RoundExit:
     error: str | None = None  # the workers' error, found in their output
     log: str | None = None  # where their output is
     stopped: bool = False  # this supervisor stopped the workers because a peer's had failed
+    hung: tuple[str, ...] = ()  # this node's devices found hung (the workers were killed for it)
+    since_s: float | None = None  # when the hang began (wall clock)
 
 
 class NodeSupervisor:
@@ -136,7 +156,7 @@ class NodeSupervisor:
             plan = Plan.from_json(decision["plan"])
             self.rdzv.report_exit(round_, **asdict(self._run_round(round_, plan, decision)))
             if self.rdzv.is_leader:
-                self._after_round(round_, plan, self.rdzv.exits(round_))
+                self._after_round(round_, plan, self.rdzv.exits(round_, plan.nodes()))
             round_ += 1
 
     def _lead(self, round_: int) -> dict:
@@ -153,11 +173,11 @@ class NodeSupervisor:
     # ---- health ---------------------------------------------------------------------------------
     def probe(self) -> list[int]:
         """This node's usable GPUs: on CUDA each is probed in its own process (a broken GPU can hang
-        or crash the process that touches it); simulated GPUs are all present (injected failures are
-        subtracted by the leader, who reads them from the metrics file)."""
+        or crash the process that touches it), all at once; simulated GPUs are all present (injected
+        failures are subtracted by the leader, who reads them from the metrics file)."""
         if self.config.device != "cuda":
             return list(self.gpus)
-        return [g for g in self.gpus if _probe_cuda(g)]
+        return probe_cuda(self.gpus)
 
     # ---- the leader's decision ------------------------------------------------------------------
     def _decide(self, round_: int, health: dict[str, dict]) -> dict:
@@ -165,7 +185,7 @@ class NodeSupervisor:
         step = checkpointed_step(cfg.ckpt_dir)
         if step >= cfg.steps:
             return {"done": True}
-        dead = self._dead()
+        dead = self._dead() | st.hung
         nodes = tuple(
             NodeSpec(name=n, gpus=tuple(g for g in h["gpus"] if f"{n}:{g}" not in dead))
             for n, h in health.items()
@@ -175,7 +195,14 @@ class NodeSupervisor:
         try:
             if st.failed_at is not None:
                 metrics.event(
-                    "failure_detected", round=round_, dead=sorted(dead), step=step, time_s=st.failed_at
+                    "failure_detected",
+                    round=round_,
+                    dead=sorted(dead),
+                    lost=sorted(set(self.rdzv.nodes) - set(health)),
+                    cause=st.cause,
+                    step=step,
+                    time_s=st.failed_at,
+                    failed_since_s=st.failed_since,
                 )
             intact = f"the last checkpoint (step {step}) is intact in {cfg.ckpt_dir}."
             if st.stop:
@@ -220,6 +247,7 @@ class NodeSupervisor:
             "stop_at": st.stop_at,
             "failures": faults.encode(pending),
             "master_addr": health[plan.nodes()[0]]["host"],
+            "members": sorted(health),
         }
 
     def _dead(self) -> set[str]:
@@ -244,15 +272,19 @@ class NodeSupervisor:
     def _after_round(self, round_: int, plan: Plan, exits: dict[str, dict]) -> None:
         cfg, st = self.config, self.state
         failed = [e for e in exits.values() if e["code"] != 0]
-        st.failed_at = min(e["time_s"] for e in failed) if failed else None
         step = checkpointed_step(cfg.ckpt_dir)
+        for e in failed:
+            st.hung |= set(e.get("hung") or ())
         if not failed:  # a clean stop: the recoveries due by now take effect
+            st.failed_at = st.failed_since = st.cause = None
             st.recovered |= {r for r in cfg.recoveries if r.step <= step}
             st.last_failure = None
             return
         st.failures += 1
-        # The root cause: a node whose workers failed on their own, the first to report.
-        root = min(failed, key=lambda e: (e.get("stopped", False), e["time_s"]))
+        # The root cause: a node whose workers failed on their own (or that was lost), the first.
+        root = min(failed, key=lambda e: (e.get("stopped", False), e.get("since_s") or e["time_s"]))
+        st.failed_at, st.failed_since = root["time_s"], root.get("since_s")
+        st.cause = "lost" if root.get("lost") else "hung" if root.get("hung") else "worker"
         error = root.get("error") or _exit_error(root["code"])
         seen = f"{error.rstrip('.')}, in {root['log']}" if root.get("log") else error.rstrip(".")
         rerun = (
@@ -276,69 +308,118 @@ class NodeSupervisor:
     # ---- one round on this node -----------------------------------------------------------------
     def _run_round(self, round_: int, plan: Plan, decision: dict) -> RoundExit:
         if self.node not in plan.nodes():  # idle this round: wait for the others to finish
-            while not all(self.rdzv.store.check([f"{round_}/exit/{n}"]) for n in plan.nodes()):
+            while not self.rdzv.round_over(round_, plan.nodes()):
                 time.sleep(POLL_S)
             return RoundExit(code=0)
         cfg = self.config
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        log = cfg.log_dir / f"round-{round_}-{self.node}.log"
+        on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
         with tempfile.TemporaryDirectory(prefix="elastor-round-") as tmp:
             plan_path = Path(tmp) / "plan.json"
             plan_path.write_text(json.dumps(plan.to_json()))
-            on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
-            command = [
-                *_UNDER_LIFELINE,
-                "torch.distributed.run",
-                f"--nnodes={len(plan.nodes())}",
-                f"--node-rank={plan.nodes().index(self.node)}",
-                f"--nproc-per-node={len(on_node)}",
-                f"--master-addr={decision['master_addr']}",
-                f"--master-port={self.rdzv.store.port + 1 + round_}",
-                "--max-restarts=0",
-                "--monitor-interval=0.1",
-                "-m",
-                "runtime.elastic.lifeline",
-                "elastor",
-                "train",
-                f"--plan={plan_path}",
-                f"--steps={cfg.steps}",
-                f"--stop-at={decision['stop_at']}",
-                f"--ckpt-dir={cfg.ckpt_dir}",
-                f"--ckpt-every={cfg.ckpt_every}",
-                f"--metrics={cfg.metrics}",
-                f"--device={cfg.device}",
-                *cfg.train_args,
-            ]
-            env = {
-                **os.environ,
-                faults.ENV_FAILURES: decision.get("failures", ""),
-                lifeline.ENV_PARENT: str(os.getpid()),
-                ENV_JOB: decision.get("ckpt_job", ""),
-            }
-            if decision["master_addr"].startswith("127.") and sys.platform.startswith("linux"):
-                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a simulated cluster talks over loopback only
-            cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            log = cfg.log_dir / f"round-{round_}-{self.node}.log"
+            progress_dir = Path(tmp) / "progress"
+            progress_dir.mkdir()
             with open(log, "w") as out:
                 worker = subprocess.Popen(
-                    command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    self._torchrun(round_, plan, plan_path, decision),
+                    env=self._worker_env(round_, plan, decision, progress_dir),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
-            stopped = False
+            watch = progress.HangWatch(plan.devices, on_node, cfg.hang_timeout_s)
+            stopped, verdict = False, None
             try:
                 while worker.poll() is None:
-                    if self.rdzv.peer_failed(round_):
+                    if self.rdzv.peer_failed(round_, plan.nodes()):
                         _stop(worker)
                         stopped = True
+                        break
+                    self.rdzv.progress = progress.read(progress_dir)
+                    if verdict := watch.hung({**_remote(self.rdzv.peer_progress()), **self.rdzv.progress}):
+                        _kill(worker)  # a hung worker may not answer SIGTERM; nothing of the round is kept
                         break
                     time.sleep(POLL_S)
                 code = worker.wait()
             finally:
+                self.rdzv.progress = {}
                 if worker.poll() is None:
                     _stop(worker)
                 if left := lifeline.kill_children():  # none of the round may outlive it
                     _say(f"killed {len(left)} process(es) of round {round_} that outlived torchrun")
-            if code == 0:
-                return RoundExit(code=0)
-            _say(f"workers on {self.node} exited with {code}; their output is in {log}")
-            return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
+        if verdict is not None:
+            which = ", ".join(verdict.devices) or "the round"
+            _say(f"{which} hung ({verdict.why}); killed the workers on {self.node}")
+            error = f"{which} hung: {verdict.why}"
+            return RoundExit(
+                code=-9, error=error, log=str(log), hung=verdict.devices, since_s=verdict.since_s
+            )
+        if code == 0:
+            return RoundExit(code=0)
+        _say(f"workers on {self.node} exited with {code}; their output is in {log}")
+        return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
+
+    def _torchrun(self, round_: int, plan: Plan, plan_path: Path, decision: dict) -> list[str]:
+        """torchrun for this node's share of the round: a client of the leader's store for its own
+        rendezvous (which only gathers the round's nodes; the workers' ranks come from the plan)."""
+        cfg = self.config
+        on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
+        return [
+            *_UNDER_LIFELINE,
+            "torch.distributed.run",
+            f"--nnodes={len(plan.nodes())}",
+            f"--nproc-per-node={len(on_node)}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rdzv.endpoint}",
+            f"--rdzv-id=elastor-{decision.get('ckpt_job', '')}-round-{round_}",
+            "--rdzv-conf=is_host=false",
+            f"--local-addr={self.host}",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+            "-m",
+            "runtime.elastic.lifeline",
+            "elastor",
+            "train",
+            f"--plan={plan_path}",
+            f"--steps={cfg.steps}",
+            f"--stop-at={decision['stop_at']}",
+            f"--ckpt-dir={cfg.ckpt_dir}",
+            f"--ckpt-every={cfg.ckpt_every}",
+            f"--metrics={cfg.metrics}",
+            f"--device={cfg.device}",
+            *cfg.train_args,
+        ]
+
+    def _worker_env(self, round_: int, plan: Plan, decision: dict, progress_dir: Path) -> dict[str, str]:
+        cfg = self.config
+        first_rank = next(i for i, d in enumerate(plan.devices) if d.split(":")[0] == self.node)
+        env = {
+            **os.environ,
+            faults.ENV_FAILURES: decision.get("failures", ""),
+            lifeline.ENV_PARENT: str(os.getpid()),
+            ENV_JOB: decision.get("ckpt_job", ""),
+            ENV_MASTER: f"{decision['master_addr']}:{self.rdzv.port + 1 + round_}",
+            ENV_FIRST_RANK: str(first_rank),
+            progress.ENV_DIR: str(progress_dir),
+            # torchrun's rank-0 agent would otherwise host a second store, on every interface.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        if decision["master_addr"].startswith("127.") and sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a simulated cluster talks over loopback only
+        if cfg.device == "cuda":
+            gpus = ",".join(d.split(":")[1] for d in plan.devices if d.split(":")[0] == self.node)
+            env["CUDA_VISIBLE_DEVICES"] = env[ENV_VISIBLE_GPUS] = gpus
+            env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(NCCL_TRACE_ENTRIES))
+            env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            trace = cfg.log_dir / f"nccl-trace-round-{round_}-{self.node}-rank"  # torch appends the rank
+            env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace))
+        return env
+
+
+def _remote(progress_by_node: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's progress record from the nodes' heartbeats, by device."""
+    return {d: r for records in progress_by_node.values() for d, r in records.items() if isinstance(r, dict)}
 
 
 def _say(line: str) -> None:
@@ -421,13 +502,40 @@ def _stop(worker: subprocess.Popen) -> None:
         pass
 
 
-def _probe_cuda(gpu: int) -> bool:
-    code = (
-        f"import torch; d = torch.device('cuda', {gpu}); x = torch.ones(1 << 20, device=d); "
-        "assert float(x @ x) == float(1 << 20)"
-    )
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return False
-    return done.returncode == 0
+def _kill(worker: subprocess.Popen) -> None:
+    """SIGKILL torchrun's process group at once (its workers' lifelines take them down with it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+
+
+_PROBE = (
+    "import torch; d = torch.device('cuda', 0); x = torch.ones(1 << 20, device=d); "
+    "assert float(x @ x) == float(1 << 20)"
+)
+
+
+def probe_cuda(gpus: list[int], *, timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
+    """The GPUs of `gpus` that pass a small matrix product, each probed at the same time in a process
+    of its own that sees only that GPU (CUDA_VISIBLE_DEVICES), so that one broken GPU takes out
+    itself only; a probe still running after `timeout_s` fails and is killed."""
+    probes = {
+        g: subprocess.Popen(
+            [sys.executable, "-c", _PROBE],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(g)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for g in gpus
+    }
+    deadline = time.monotonic() + timeout_s
+    healthy = []
+    for g, probe in probes.items():
+        try:
+            if probe.wait(timeout=max(0.0, deadline - time.monotonic())) == 0:
+                healthy.append(g)
+        except subprocess.TimeoutExpired:
+            _kill(probe)
+            _say(f"GPU {g}'s probe did not finish in {timeout_s:.0f} s; it is left out")
+    return healthy

@@ -1,0 +1,240 @@
+"""The supervisors' control plane in one process: signed messages, binding, leases, deadlines, hangs.
+
+The multi-process stories (a node lost, a worker frozen, a stranger's messages) are in
+tests/test_elastic_faults.py.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_helpers import free_port
+
+from costmodel.errors import ElastorError
+from runtime.elastic import progress
+from runtime.elastic.progress import HangWatch
+from runtime.elastic.rendezvous import Rendezvous
+from runtime.elastic.report import recoveries
+from runtime.elastic.store import SignedStore, host_store, read_token, write_token
+
+TOKEN = b"a-shared-secret-of-the-job"
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on `port` (IPv4 and IPv6), from /proc/net."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+# ---- the store ----------------------------------------------------------------------------------
+@linux_only
+def test_the_store_listens_on_the_address_it_was_given_only():
+    port = free_port()
+    store, sock = host_store("127.0.0.1", port, timeout_s=5)
+    try:
+        store.set("k", "v")
+        assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    finally:
+        sock.close()
+        del store
+
+
+def test_signed_values_round_trip_and_a_strangers_are_ignored_and_logged(capsys):
+    port = free_port()
+    raw, sock = host_store("127.0.0.1", port, timeout_s=5)
+    try:
+        mine, theirs = SignedStore(raw, TOKEN, "n0"), SignedStore(raw, b"not-the-job-secret!!", "n1")
+        mine.put("0/decision", {"plan": "real"})
+        assert mine.get("0/decision") == {"plan": "real"}
+        theirs.put("0/decision", {"plan": "forged"})  # a stranger overwrites with its own signature
+        assert mine.get("0/decision") is None
+        raw.set("0/exit/n1", '{"code": 1}')  # unsigned
+        assert mine.get("0/exit/n1") is None
+        mine.put("0/exit/n1", {"code": 0})
+        raw.set("1/exit/n1", raw.get("0/exit/n1"))  # a signed value replayed under another key
+        assert mine.get("1/exit/n1") is None
+        assert mine.get("never/set") is None
+        mine.get("0/decision")  # the same rejected value is logged once
+        err = capsys.readouterr().err
+        assert err.count("ignored the value of rendezvous key '0/decision'") == 1
+        assert "signature is wrong" in err and "is not a signed message" in err
+    finally:
+        sock.close()
+
+
+def test_a_token_must_be_private_and_long_enough(tmp_path):
+    token = write_token(tmp_path / "token")
+    assert len(read_token(token)) == 64
+    os.chmod(token, 0o644)
+    with pytest.raises(ElastorError, match="can be read by other users"):
+        read_token(token)
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    os.chmod(short, 0o600)
+    with pytest.raises(ElastorError, match="at least 16"):
+        read_token(short)
+    with pytest.raises(ElastorError, match="Cannot read"):
+        read_token(tmp_path / "missing")
+
+
+# ---- leases and deadlines -----------------------------------------------------------------------
+def _pair(**kw) -> tuple[Rendezvous, Rendezvous]:
+    port = free_port()
+    leader = Rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n0", token=TOKEN, **kw)
+    follower = Rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n1", token=TOKEN, **kw)
+    return leader, follower
+
+
+def test_a_round_goes_on_without_a_node_that_misses_its_deadline():
+    leader, follower = _pair(lease_s=3.0, deadline_s=0.5)
+    try:
+        leader.report_health(0, [0, 1], "127.0.0.1")
+        follower.report_health(0, [0], "127.0.0.1")
+        started = time.monotonic()
+        members = leader.health(0)  # n2 never started
+        assert sorted(members) == ["n0", "n1"] and members["n1"]["gpus"] == [0]
+        assert 0.5 <= time.monotonic() - started < 2.0
+    finally:
+        leader.close()
+        follower.close()
+
+
+def test_a_node_whose_heartbeat_stops_is_lost_and_its_round_counts_as_failed():
+    leader, follower = _pair(lease_s=3.0, deadline_s=1.0)
+    try:
+        deadline = time.monotonic() + 5
+        while leader.last_seen("n1") is None and time.monotonic() < deadline:
+            leader.observe()
+            time.sleep(0.05)
+        assert leader.last_seen("n1") is not None and leader.lost() == set()
+        assert leader.peer_failed(0, ["n0", "n1"]) is None
+        follower.close()  # its heart stops, as if its host were gone
+        started = time.monotonic()
+        exits = leader.exits(0, ["n1"])  # waits for its report until the lease runs out
+        assert 3.0 <= time.monotonic() - started < 6.0
+        assert exits["n1"]["lost"] and exits["n1"]["code"] != 0
+        assert exits["n1"]["since_s"] <= exits["n1"]["time_s"] - 3.0
+        assert leader.peer_failed(0, ["n0", "n1"]) == "node n1 was lost"
+        leader.report_health(1, [0, 1], "127.0.0.1")
+        assert sorted(leader.health(1)) == ["n0"]  # n1 is lost, and n2 (never started) missed the deadline
+    finally:
+        leader.close()
+
+
+def test_a_lease_shorter_than_three_heartbeats_is_refused():
+    with pytest.raises(ElastorError, match="--lease-s 1"):
+        Rendezvous("127.0.0.1", free_port(), ["n0"], "n0", token=TOKEN, lease_s=1.0)
+
+
+def test_a_forged_failure_report_does_not_stop_the_peers():
+    leader, follower = _pair(lease_s=3.0)
+    try:
+        leader.store.raw.set("0/exit/n1", '{"code": 1, "time_s": 0}')
+        SignedStore(leader.store.raw, b"guessed-token-guessed", "n1").put("0/exit/n1", {"code": 1})
+        assert leader.peer_failed(0, ["n0", "n1"]) is None
+        follower.report_exit(0, 1)
+        assert leader.peer_failed(0, ["n0", "n1"]) == "the workers of node n1 failed"
+    finally:
+        leader.close()
+        follower.close()
+
+
+# ---- hang detection -----------------------------------------------------------------------------
+def _record(device: str, *, seq: int, age_s: float = 0.0, waiting: bool = False, done: int = 1) -> dict:
+    return {
+        "device": device,
+        "step": 3,
+        "seq": seq,
+        "phase": "forward",
+        "waiting": waiting,
+        "done": done,
+        "time_s": time.time() - age_s,
+    }
+
+
+def test_a_rank_whose_reports_stop_is_frozen():
+    watch = HangWatch(["n0:0", "n1:0"], ["n1:0"], timeout_s=5.0)
+    fresh = {"n0:0": _record("n0:0", seq=1), "n1:0": _record("n1:0", seq=1)}
+    assert watch.hung(fresh) is None
+    verdict = watch.hung({**fresh, "n1:0": _record("n1:0", seq=1, age_s=6.0)})
+    assert verdict.devices == ("n1:0",) and "no progress report" in verdict.why
+    assert watch.hung({**fresh, "n0:0": _record("n0:0", seq=1, age_s=6.0)}) is None  # not ours to judge
+
+
+def test_a_stall_blames_the_ranks_that_are_not_waiting_on_a_peer():
+    timeout = 0.2
+    mine = HangWatch(["n0:0", "n1:0"], ["n1:0"], timeout_s=timeout)
+    theirs = HangWatch(["n0:0", "n1:0"], ["n0:0"], timeout_s=timeout)
+    stalled = {"n0:0": _record("n0:0", seq=7, waiting=True), "n1:0": _record("n1:0", seq=5)}
+    assert mine.hung(stalled) is None and theirs.hung(stalled) is None  # the state just changed
+    time.sleep(timeout + 0.05)
+    stalled = {d: {**r, "time_s": time.time()} for d, r in stalled.items()}  # their threads still write
+    verdict = mine.hung(stalled)
+    assert verdict.devices == ("n1:0",) and "stuck in its own work" in verdict.why
+    assert theirs.hung(stalled) is None  # n1's supervisor acts
+
+
+def test_a_stall_nobody_can_be_blamed_for_waits_longer_and_blames_the_round(monkeypatch):
+    monkeypatch.setattr(progress, "BLAME_GRACE_S", 0.2)
+    watch = HangWatch(["n0:0", "n1:0"], ["n0:0"], timeout_s=0.2)
+    waiting = {d: _record(d, seq=4, waiting=True) for d in ("n0:0", "n1:0")}
+    assert watch.hung(waiting) is None
+    time.sleep(0.25)
+    assert watch.hung({d: {**r, "time_s": time.time()} for d, r in waiting.items()}) is None  # the grace
+    time.sleep(0.25)
+    verdict = watch.hung({d: {**r, "time_s": time.time()} for d, r in waiting.items()})
+    assert verdict.devices == () and "every rank stalled" in verdict.why
+
+
+def test_no_stall_is_judged_before_every_rank_finished_a_step():
+    watch = HangWatch(["n0:0", "n1:0"], ["n0:0"], timeout_s=0.1)
+    loading = {"n0:0": _record("n0:0", seq=0, done=0), "n1:0": _record("n1:0", seq=3)}
+    watch.hung(loading)
+    time.sleep(0.15)
+    assert watch.hung({d: {**r, "time_s": time.time()} for d, r in loading.items()}) is None
+    starting = {"n0:0": _record("n0:0", seq=0, done=0)}  # n1:0 has not published yet
+    assert HangWatch(["n0:0", "n1:0"], ["n0:0"], timeout_s=0.1).hung(starting) is None
+
+
+def test_a_worker_publishes_its_progress_at_a_bounded_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv(progress.ENV_DIR, str(tmp_path))
+    mine = progress.Progress()
+    mine.start("n0:1")
+    try:
+        for _ in range(1000):
+            mine.mark("forward")
+        with mine.waiting():
+            mine.step_done(5)
+            time.sleep(progress.PUBLISH_S * 2.5)
+            record = progress.read(tmp_path)["n0:1"]
+            assert record["waiting"] and record["step"] == 5 and record["seq"] == 1001 and record["done"] == 1
+        assert len(list(tmp_path.iterdir())) == 1  # one file per worker, rewritten in place
+    finally:
+        mine.stop()
+
+
+# ---- the recovery breakdown ---------------------------------------------------------------------
+def test_a_failure_the_supervisors_found_is_timed_from_when_it_happened():
+    records = [
+        {"event": "replanned", "time_s": 0.0, "devices": 3, "solve_s": 0.1, "step": 0},
+        {"step": 1, "loss": 1.0, "samples_per_s": 10.0, "time_s": 1.0},
+        {"event": "resumed", "time_s": 0.5, "step": 0},
+        {"event": "failure_detected", "time_s": 14.0, "cause": "lost", "failed_since_s": 10.0, "step": 0},
+        {"event": "replanned", "time_s": 15.0, "devices": 2, "solve_s": 0.2, "step": 0},
+        {"event": "restored", "time_s": 20.0, "load_s": 1.0, "step": 0},
+        {"event": "resumed", "time_s": 21.0, "step": 0},
+    ]
+    (found,) = recoveries(records)
+    assert found.phases_s["detect"] == pytest.approx(4.0)
+    assert found.phases_s["rendezvous"] == pytest.approx(0.8)
+    assert found.total_s == pytest.approx(11.0)
+    assert (found.devices_before, found.devices_after) == (3, 2)

@@ -1,0 +1,194 @@
+"""`elastor run` against what clusters lose: a whole host, a frozen GPU, and strangers on the network.
+
+Each test runs a simulated cluster of single-GPU nodes (each node's supervisor in its own process
+group, its torchrun and workers below it), does something to it from outside while it trains, and
+checks that the run finishes and matches an uninterrupted single-process run within 1e-5
+(tests/test_elastic.py's reference), or that nothing changed at all.
+"""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_helpers import REPO, elastor_run, run_env
+from proc_helpers import MARK, children, cmdline, descendants, marked
+from test_elastic import CKPT_EVERY, GLOBAL_BATCH, RUN_TIMEOUT_S, _assert_matches_reference, _profile
+
+from costmodel import Plan
+from runtime.elastic.report import read_metrics, recoveries
+from runtime.elastic.store import SignedStore
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+START_TIMEOUT_S = 180  # from the launch to the step a test acts at, on a loaded machine
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    return _profile(tmp_path_factory.mktemp("profile") / "profile.json")
+
+
+class _Run:
+    """`elastor run` started in the background; on the way out, SIGKILL whatever is left of it."""
+
+    def __init__(self, tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
+        self.tmp, self.mark, self.metrics = tmp, os.urandom(8).hex(), tmp / "metrics.jsonl"
+        command = elastor_run(
+            tmp,
+            f"--ckpt-every={CKPT_EVERY}",
+            *flags,
+            cluster=cluster,
+            steps=steps,
+            profile=profile,
+            global_batch_size=GLOBAL_BATCH,
+        )
+        self.log = open(tmp / "launcher.log", "w")  # noqa: SIM115 - closed in __exit__
+        self.launcher = subprocess.Popen(
+            command, cwd=REPO, env={**run_env(), MARK: self.mark}, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def __enter__(self) -> "_Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.launcher.poll() is None:
+            self.launcher.kill()
+        self.launcher.wait()
+        for pid in marked(self.mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+    def output(self) -> str:
+        return (self.tmp / "launcher.log").read_text()[-4000:]
+
+    def wait_for_step(self, step: int) -> list[dict]:
+        """Wait until training has logged `step` steps; returns the records so far."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            records = read_metrics(self.metrics) if self.metrics.is_file() else []
+            if sum(1 for r in records if "loss" in r) >= step:
+                return records
+            assert self.launcher.poll() is None, self.output()
+            assert time.monotonic() < deadline, f"training did not reach step {step}"
+            time.sleep(0.1)
+
+    def supervisor(self, node: str) -> int:
+        return next(p for p in children(self.launcher.pid) if f"--node={node} " in cmdline(p) + " ")
+
+    def finish(self) -> list[dict]:
+        code = self.launcher.wait(timeout=RUN_TIMEOUT_S)
+        assert code == 0, self.output()
+        return read_metrics(self.metrics)
+
+
+def _first_plan(records) -> Plan:
+    return Plan.from_json(next(r["plan"] for r in records if r.get("event") == "replanned"))
+
+
+def _victim(plan: Plan) -> str:
+    """A node of the plan other than the leader (n0)."""
+    return next(n for n in plan.nodes() if n != "n0")
+
+
+@pytest.mark.slow  # about 60 s
+def test_a_lost_host_is_left_out_and_the_run_matches_an_uninterrupted_one(tmp_path, profile_path):
+    steps = 12
+    with _Run(tmp_path, profile_path, "1,1,1", steps, "--lease-s=4") as run:
+        records = run.wait_for_step(6)
+        victim = _victim(_first_plan(records))
+        supervisor = run.supervisor(victim)
+        host = {supervisor, *descendants(supervisor)}  # the supervisor, its torchrun and its worker
+        for pid in host:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        records = run.finish()
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["cause"] == "lost" and detected["lost"] == [victim]
+    plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
+    assert len(plans) == 2 and victim not in plans[1].nodes()
+    (found,) = recoveries(records)
+    assert found.phases_s["detect"] <= 4 + 2  # the lease, and a heartbeat's period
+    assert "failure" in run.output()  # the breakdown is printed
+    _assert_matches_reference(tmp_path, records, steps)
+
+
+@pytest.mark.slow  # about 70 s
+def test_a_frozen_worker_is_found_within_the_hang_timeout_and_left_out(tmp_path, profile_path):
+    steps, hang_timeout_s = 12, 8
+    with _Run(tmp_path, profile_path, "1,1,1", steps, f"--hang-timeout-s={hang_timeout_s}") as run:
+        records = run.wait_for_step(6)
+        plan = _first_plan(records)
+        victim = _victim(plan)
+        (device,) = [d for d in plan.devices if d.startswith(f"{victim}:")]
+        worker = max(
+            p for p in descendants(run.supervisor(victim)) if "torch.distributed.run" not in cmdline(p)
+        )
+        os.kill(worker, signal.SIGSTOP)
+        frozen_at = time.time()
+        records = run.finish()
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["cause"] == "hung" and detected["dead"] == [device]
+    assert detected["time_s"] - frozen_at <= hang_timeout_s + 5
+    later = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"][1:]
+    assert later and all(device not in p.devices for p in later)
+    _assert_matches_reference(tmp_path, records, steps)
+
+
+def test_strangers_messages_change_nothing_and_nothing_listens_beyond_loopback(tmp_path, profile_path):
+    """A process without the token posts a failure of n1, a plan and a heartbeat, unsigned and signed
+    with a guessed token, for this round and the next; the run goes on as if nothing had been posted."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    steps = 6
+    with _Run(tmp_path, profile_path, "1,1", steps) as run:
+        run.wait_for_step(2)
+        tree = descendants(run.launcher.pid)
+        endpoint = next(a for p in tree for a in cmdline(p).split() if a.startswith("--rdzv-endpoint="))
+        host, _, port = endpoint.partition("=")[2].rpartition(":")
+        raw = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        forged = {"plan": _first_plan(read_metrics(run.metrics)).to_json(), "stop_at": 1, "members": ["n0"]}
+        for store in (SignedStore(raw, b"a-guessed-token-0000", "n0"), None):
+            for key, value in [
+                ("0/exit/n1", {"code": 1, "time_s": 0.0}),
+                ("1/decision", forged),
+                ("1/health/n0", {"gpus": [], "host": "10.0.0.66"}),
+                ("hb/n1", {"seq": 10**9, "progress": {}}),
+            ]:
+                if store is None:
+                    raw.set(key, str(value))
+                else:
+                    store.put(key, value)
+        listening = {a for p in tree for a in _listening(p)}
+        records = run.finish()
+    assert listening and listening <= LOOPBACK, listening
+    assert not [r for r in records if r.get("event") == "failure_detected"]
+    assert [r["event"] for r in records if r.get("event") == "replanned"] == ["replanned"]
+    assert "ignored the value of rendezvous key" in run.output()
+    _assert_matches_reference(tmp_path, records, steps)
+
+
+def _listening(pid: int) -> set[str]:
+    """The local addresses of the listening TCP sockets process `pid` holds."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                found.add(fields[1].partition(":")[0])
+    return found
