@@ -37,13 +37,11 @@ from costmodel.plan import Plan
 
 # Set by `elastor run` for its workers. torchrun only starts and watches them there: its rendezvous
 # assigns node ranks in its own order, and its store would listen on every interface. So the workers
-# take their ranks from the plan (the first rank of their node plus the local rank) and rank 0 hosts
-# the job's store at ELASTOR_MASTER (HOST:PORT), on that address only.
+# take their ranks from the plan (the first rank of their node plus the local rank) and join through
+# the round's store at ELASTOR_MASTER (HOST:PORT), which a supervisor hosts.
 ENV_MASTER = "ELASTOR_MASTER"
 ENV_FIRST_RANK = "ELASTOR_FIRST_RANK"
 ENV_VISIBLE_GPUS = "ELASTOR_VISIBLE_GPUS"  # the physical ids behind CUDA_VISIBLE_DEVICES, set with it
-_LISTENING: list = []  # the sockets this process's stores serve from
-
 DEFAULT_TIMEOUT_S = 300.0  # long enough for a first NCCL step on a large model, short enough to notice a hang
 
 
@@ -69,17 +67,12 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
-def _bound_store(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The job's store at ELASTOR_MASTER, hosted by rank 0 on exactly that address (torch's own env://
-    store listens on every interface; runtime.elastic.store explains the fix)."""
-    from runtime.elastic.store import host_store
-
+def _round_store(world_size: int, timeout_s: float) -> dist.Store:
+    """The round's store at ELASTOR_MASTER (hosted by a supervisor on its --host only; torch's own
+    env:// store would listen on every interface), the workers' keys under a prefix of their own."""
     host, _, port = os.environ[ENV_MASTER].rpartition(":")
-    if rank == 0:
-        store, sock = host_store(host, int(port), timeout_s=timeout_s)
-        _LISTENING.append(sock)  # the store serves from this socket for the life of the process
-        return store
-    return dist.TCPStore(host, int(port), world_size, False, timedelta(seconds=timeout_s))
+    store = dist.TCPStore(host, int(port), world_size, False, timedelta(seconds=timeout_s))
+    return dist.PrefixStore("workers/", store)
 
 
 def init_distributed(
@@ -120,7 +113,7 @@ def init_distributed(
     if launched and ENV_MASTER in os.environ:
         dist.init_process_group(
             backend,
-            store=_bound_store(rank, world_size, timeout_s),
+            store=_round_store(world_size, timeout_s),
             rank=rank,
             world_size=world_size,
             timeout=timeout,

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
+from etcd_helpers import etcd_server, needs_etcd
 
 from costmodel.errors import ElastorError
 from runtime.elastic import progress
 from runtime.elastic.progress import HangWatch
-from runtime.elastic.rendezvous import Rendezvous
+from runtime.elastic.rendezvous import NotLeader, Rendezvous, etcd_rendezvous, tcp_rendezvous
 from runtime.elastic.report import recoveries
 from runtime.elastic.store import SignedStore, host_store, read_token, write_token
 
@@ -39,36 +40,30 @@ def listening_addresses(port: int) -> set[str]:
 @linux_only
 def test_the_store_listens_on_the_address_it_was_given_only():
     port = free_port()
-    store, sock = host_store("127.0.0.1", port, timeout_s=5)
-    try:
-        store.set("k", "v")
-        assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
-    finally:
-        sock.close()
-        del store
+    store = host_store("127.0.0.1", port, timeout_s=5)
+    store.set("k", "v")
+    assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    del store
+    assert listening_addresses(port) == set()  # the store owned its socket
 
 
 def test_signed_values_round_trip_and_a_strangers_are_ignored_and_logged(capsys):
-    port = free_port()
-    raw, sock = host_store("127.0.0.1", port, timeout_s=5)
-    try:
-        mine, theirs = SignedStore(raw, TOKEN, "n0"), SignedStore(raw, b"not-the-job-secret!!", "n1")
-        mine.put("0/decision", {"plan": "real"})
-        assert mine.get("0/decision") == {"plan": "real"}
-        theirs.put("0/decision", {"plan": "forged"})  # a stranger overwrites with its own signature
-        assert mine.get("0/decision") is None
-        raw.set("0/exit/n1", '{"code": 1}')  # unsigned
-        assert mine.get("0/exit/n1") is None
-        mine.put("0/exit/n1", {"code": 0})
-        raw.set("1/exit/n1", raw.get("0/exit/n1"))  # a signed value replayed under another key
-        assert mine.get("1/exit/n1") is None
-        assert mine.get("never/set") is None
-        mine.get("0/decision")  # the same rejected value is logged once
-        err = capsys.readouterr().err
-        assert err.count("ignored the value of rendezvous key '0/decision'") == 1
-        assert "signature is wrong" in err and "is not a signed message" in err
-    finally:
-        sock.close()
+    raw = host_store("127.0.0.1", 0, timeout_s=5)
+    mine, theirs = SignedStore(raw, TOKEN, "n0"), SignedStore(raw, b"not-the-job-secret!!", "n1")
+    mine.put("0/decision", {"plan": "real"})
+    assert mine.get("0/decision") == {"plan": "real"}
+    theirs.put("0/decision", {"plan": "forged"})  # a stranger overwrites with its own signature
+    assert mine.get("0/decision") is None
+    raw.set("0/exit/n1", '{"code": 1}')  # unsigned
+    assert mine.get("0/exit/n1") is None
+    mine.put("0/exit/n1", {"code": 0})
+    raw.set("1/exit/n1", raw.get("0/exit/n1"))  # a signed value replayed under another key
+    assert mine.get("1/exit/n1") is None
+    assert mine.get("never/set") is None
+    mine.get("0/decision")  # the same rejected value is logged once
+    err = capsys.readouterr().err
+    assert err.count("ignored the value of rendezvous key '0/decision'") == 1
+    assert "signature is wrong" in err and "is not a signed message" in err
 
 
 def test_a_token_must_be_private_and_long_enough(tmp_path):
@@ -89,8 +84,8 @@ def test_a_token_must_be_private_and_long_enough(tmp_path):
 # ---- leases and deadlines -----------------------------------------------------------------------
 def _pair(**kw) -> tuple[Rendezvous, Rendezvous]:
     port = free_port()
-    leader = Rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n0", token=TOKEN, **kw)
-    follower = Rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n1", token=TOKEN, **kw)
+    leader = tcp_rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n0", token=TOKEN, **kw)
+    follower = tcp_rendezvous("127.0.0.1", port, ["n0", "n1", "n2"], "n1", token=TOKEN, **kw)
     return leader, follower
 
 
@@ -132,7 +127,7 @@ def test_a_node_whose_heartbeat_stops_is_lost_and_its_round_counts_as_failed():
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused():
     with pytest.raises(ElastorError, match="--lease-s 1"):
-        Rendezvous("127.0.0.1", free_port(), ["n0"], "n0", token=TOKEN, lease_s=1.0)
+        tcp_rendezvous("127.0.0.1", free_port(), ["n0"], "n0", token=TOKEN, lease_s=1.0)
 
 
 def test_a_forged_failure_report_does_not_stop_the_peers():
@@ -238,3 +233,40 @@ def test_a_failure_the_supervisors_found_is_timed_from_when_it_happened():
     assert found.phases_s["rendezvous"] == pytest.approx(0.8)
     assert found.total_s == pytest.approx(11.0)
     assert (found.devices_before, found.devices_after) == (3, 2)
+
+
+# ---- etcd: an elected leader ---------------------------------------------------------------------
+@needs_etcd
+def test_etcd_elects_one_leader_and_a_successor_without_a_split_brain(tmp_path):
+    with etcd_server(tmp_path / "etcd") as endpoint:
+        nodes = ["n0", "n1"]
+        run_id = os.urandom(4).hex()
+        first, second = (
+            etcd_rendezvous(endpoint, run_id, nodes, n, token=TOKEN, lease_s=3.0, deadline_s=1.0)
+            for n in nodes
+        )
+        try:
+            assert first.campaign() and not second.campaign()
+            assert first.leader() == second.leader() == "n0"
+            with pytest.raises(NotLeader):
+                second.decide(0, {"plan": "forged by a follower"})
+            first.decide(0, {"plan": "first"})
+            first.save_state({"closed": 0})
+            assert second.decision(0) == {"plan": "first"}
+            first._stopped.set()  # n0's host freezes: no more heartbeats or lease refreshes
+            started = time.monotonic()
+            assert second.decision(1) is None  # the office fell vacant and n1 took it: it must decide
+            assert 3.0 <= time.monotonic() - started < 8.0
+            assert second.is_leader and second.load_state() == {"closed": 0}
+            with pytest.raises(NotLeader):  # n0 wakes up: its writes as leader are refused
+                first.decide(1, {"plan": "stale"})
+            second.decide(1, {"plan": "second"})
+            assert first.past_decision(1) == {"plan": "second"}
+        finally:
+            first.close()
+            second.close()
+
+
+def test_an_unreachable_etcd_is_one_sentence():
+    with pytest.raises(ElastorError, match=r"Cannot reach etcd at 127\.0\.0\.1:1 "):
+        etcd_rendezvous("127.0.0.1:1", "x", ["n0"], "n0", token=TOKEN)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import REPO, elastor_run, run_env
+from etcd_helpers import etcd_server, needs_etcd
 from proc_helpers import MARK, children, cmdline, descendants, marked
 from test_elastic import CKPT_EVERY, GLOBAL_BATCH, RUN_TIMEOUT_S, _assert_matches_reference, _profile
 
@@ -25,6 +26,7 @@ from runtime.elastic.store import SignedStore
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
+FLOOD_S = 2.0  # how long the stranger posts
 START_TIMEOUT_S = 180  # from the launch to the step a test acts at, on a loaded machine
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
 
@@ -119,6 +121,33 @@ def test_a_lost_host_is_left_out_and_the_run_matches_an_uninterrupted_one(tmp_pa
     _assert_matches_reference(tmp_path, records, steps)
 
 
+@needs_etcd
+@pytest.mark.slow  # about 60 s
+def test_on_etcd_the_leaders_host_is_lost_and_another_node_leads_to_the_end(tmp_path, profile_path):
+    steps = 12
+    with etcd_server(tmp_path / "etcd") as endpoint:
+        flags = ("--lease-s=4", "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}")
+        with _Run(tmp_path, profile_path, "1,1,1", steps, *flags) as run:
+            records = run.wait_for_step(6)
+            first = next(r for r in records if r.get("event") == "replanned")
+            leader = first["leader"]
+            if leader not in Plan.from_json(first["plan"]).nodes():
+                pytest.fail(f"the leader {leader} has no GPU in the plan; the test needs one that does")
+            supervisor = run.supervisor(leader)
+            for pid in {supervisor, *descendants(supervisor)}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            records = run.finish()
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["cause"] == "lost" and detected["lost"] == [leader]
+    replanned = [r for r in records if r.get("event") == "replanned"]
+    assert len(replanned) == 2 and replanned[1]["leader"] != leader
+    assert leader not in Plan.from_json(replanned[1]["plan"]).nodes()
+    (found,) = recoveries(records)
+    assert found.phases_s["detect"] <= 4 + 2
+    _assert_matches_reference(tmp_path, records, steps)
+
+
 @pytest.mark.slow  # about 70 s
 def test_a_frozen_worker_is_found_within_the_hang_timeout_and_left_out(tmp_path, profile_path):
     steps, hang_timeout_s = 12, 8
@@ -142,31 +171,38 @@ def test_a_frozen_worker_is_found_within_the_hang_timeout_and_left_out(tmp_path,
 
 
 def test_strangers_messages_change_nothing_and_nothing_listens_beyond_loopback(tmp_path, profile_path):
-    """A process without the token posts a failure of n1, a plan and a heartbeat, unsigned and signed
-    with a guessed token, for this round and the next; the run goes on as if nothing had been posted."""
+    """A process without the token posts, again and again while the round trains, a failure of n1, a
+    plan for the next round and heartbeats, unsigned and signed with a guessed token: the run goes on
+    as if nothing had been posted, and the supervisors log what they ignored."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    steps = 6
+    steps = 120  # about 10 s of training: the stranger posts while the round runs
     with _Run(tmp_path, profile_path, "1,1", steps) as run:
         run.wait_for_step(2)
         tree = descendants(run.launcher.pid)
-        endpoint = next(a for p in tree for a in cmdline(p).split() if a.startswith("--rdzv-endpoint="))
+        supervisor = cmdline(run.supervisor("n1")).split()
+        endpoint = next(a for a in supervisor if a.startswith("--rdzv-endpoint="))  # the supervisors' store
         host, _, port = endpoint.partition("=")[2].rpartition(":")
         raw = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
         forged = {"plan": _first_plan(read_metrics(run.metrics)).to_json(), "stop_at": 1, "members": ["n0"]}
-        for store in (SignedStore(raw, b"a-guessed-token-0000", "n0"), None):
+        guessed = SignedStore(raw, b"a-guessed-token-0000", "n0")
+        flood_until = time.monotonic() + FLOOD_S  # posted again and again, so the round reads them
+        while time.monotonic() < flood_until:
             for key, value in [
                 ("0/exit/n1", {"code": 1, "time_s": 0.0}),
                 ("1/decision", forged),
                 ("1/health/n0", {"gpus": [], "host": "10.0.0.66"}),
                 ("hb/n1", {"seq": 10**9, "progress": {}}),
             ]:
-                if store is None:
-                    raw.set(key, str(value))
-                else:
-                    store.put(key, value)
+                guessed.put(key, value)
+                raw.set(key, str(value))  # unsigned
+            time.sleep(0.05)
+        # Its posts must have met a running round (a key overwritten after its writer wrote it is a
+        # denial of service, which signing cannot prevent: README, "Strangers").
+        trained = sum(1 for r in read_metrics(run.metrics) if "loss" in r)
+        assert trained < steps, "the round ended before the stranger was done"
         listening = {a for p in tree for a in _listening(p)}
         records = run.finish()
     assert listening and listening <= LOOPBACK, listening

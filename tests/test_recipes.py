@@ -36,9 +36,15 @@ def test_the_slurm_script_parses_and_runs_a_valid_elastor_run():
     assert "--kill-on-bad-exit=0" in text  # a failed task must not end the survivors' step
     command = re.search(r"exec (elastor run .*?)\n'", text, re.S)[1]
     values = {"nodes": "host-a,host-b", "leader": "host-a", "PORT": "29400"}
-    values |= {"CLUSTER": "cluster.json", "PROFILE": "p.json", "CKPT_DIR": "ckpt"}
+    values |= {
+        "CLUSTER": "cluster.json",
+        "PROFILE": "p.json",
+        "CKPT_DIR": "ckpt",
+        "TOKEN": "/shared/elastor/token",
+    }
     args = parsed_run(command, values)
     assert args.node == "host-a" and args.nodes == "host-a,host-b" and args.rdzv_endpoint == "host-a:29400"
+    assert args.token_file == "/shared/elastor/token" and "umask 077" in text  # made private
     assert args.device == "cuda"
 
 
@@ -60,3 +66,7 @@ def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service():
     leader = f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert args.rdzv_endpoint == f"{leader}:{service['spec']['ports'][0]['port']}"
     assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    # The job's token comes from a Secret, mounted readable by its owner only.
+    mount = next(m for m in container["volumeMounts"] if args.token_file.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["defaultMode"] == 0o400

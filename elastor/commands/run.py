@@ -123,7 +123,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     node = p.add_argument_group("one node of a real cluster (without these, --cluster is simulated here)")
     node.add_argument("--node", help="this node's name")
     node.add_argument("--nodes", help="every node's name, comma-separated; the first one leads")
-    node.add_argument("--rdzv-endpoint", help="HOST:PORT of the leader's rendezvous (the ports above it too)")
+    node.add_argument(
+        "--rdzv-endpoint",
+        help="tcp: HOST:PORT of the store the first node hosts; etcd: HOST:PORT[,HOST:PORT...] of the "
+        "etcd cluster's members (then also for a simulated --cluster)",
+    )
+    p.add_argument(
+        "--rdzv-backend",
+        choices=("tcp", "etcd"),
+        default="tcp",
+        help="where the supervisors agree on rounds: tcp, a store the first node hosts (no set-up; it "
+        "is a single point of failure), or etcd, which survives the loss of any host, the leader's "
+        "included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        help="etcd: this run's key prefix, the same on every node and new for every launch (the "
+        "scheduler's job id, say); a simulated cluster makes one up",
+    )
+    p.add_argument("--etcd-cacert", help="etcd over TLS: the CA certificate that signed etcd's")
+    p.add_argument("--etcd-cert", help="etcd over TLS: this node's client certificate")
+    p.add_argument("--etcd-key", help="etcd over TLS: the client certificate's key")
     node.add_argument("--gpus", help="this node's GPU ids (default: every GPU torch sees)")
     node.add_argument(
         "--host",
@@ -146,29 +166,33 @@ def run(args: argparse.Namespace) -> int:
     cluster = of_kind(ClusterSpec.parse(args.cluster, profile.device_kind), profile.device_kind, args.cluster)
     failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
     recoveries = [Fault.parse(f, "--inject-recovery") for f in args.inject_recovery]
+    if args.rdzv_backend == "etcd" and not args.rdzv_endpoint:
+        raise ElastorError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT of the etcd cluster.")
     if args.node is None:
         from runtime.elastic.launch import launch_simulated
 
-        return launch_simulated(cluster, _supervisor_args(args))
+        return launch_simulated(
+            cluster, _supervisor_args(args), etcd=args.rdzv_endpoint if _etcd(args) else None
+        )
     return _run_node(args, profile, cluster, tuple(failures), tuple(recoveries))
 
 
 def _run_node(args, profile, cluster, failures, recoveries) -> int:
-    from runtime.elastic.rendezvous import Rendezvous
     from runtime.elastic.store import read_token
     from runtime.elastic.supervisor import NodeSupervisor, RunConfig
 
     if not (args.nodes and args.rdzv_endpoint):
         raise ElastorError("--node needs --nodes and --rdzv-endpoint HOST:PORT.")
+    if _etcd(args) and not args.rdzv_id:
+        raise ElastorError(
+            "--rdzv-backend etcd needs --rdzv-id, the same on every node and new for every launch."
+        )
     if not args.token_file:
         raise ElastorError(
             "--node needs --token-file, a shared secret readable by its owner only and the same on every "
             "node (`python -c 'import secrets; print(secrets.token_hex(32))' > token && chmod 600 token`)."
         )
     token = read_token(args.token_file)
-    host, _, port = args.rdzv_endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ElastorError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT.")
     config = RunConfig(
         profile=profile,
         cluster=cluster,
@@ -188,23 +212,36 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
     gpus = _gpus(args.gpus, args.device)
     # SIGTERM (the launcher, a scheduler) unwinds through the supervisor, which stops its workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rendezvous = Rendezvous(
-        host,
-        int(port),
-        args.nodes.split(","),
-        args.node,
-        token=token,
-        bind_host=args.host,
-        lease_s=args.lease_s,
-        deadline_s=args.round_deadline_s,
-    )
+    rendezvous = _rendezvous(args, token)
     try:
         code = NodeSupervisor(config, rendezvous, gpus, host=args.host).run()
+        leads = rendezvous.is_leader
     finally:
         rendezvous.close()
-    if rendezvous.is_leader and code == 0:
+    if leads and code == 0:
         _print_report(config.metrics)
     return code
+
+
+def _etcd(args) -> bool:
+    return args.rdzv_backend == "etcd"
+
+
+def _rendezvous(args, token: bytes):
+    from runtime.elastic.etcd import EtcdTLS
+    from runtime.elastic.rendezvous import etcd_rendezvous, tcp_rendezvous
+
+    nodes = args.nodes.split(",")
+    timing = {"lease_s": args.lease_s, "deadline_s": args.round_deadline_s}
+    if _etcd(args):
+        tls = EtcdTLS(args.etcd_cacert, args.etcd_cert, args.etcd_key) if args.etcd_cacert else None
+        return etcd_rendezvous(
+            args.rdzv_endpoint, args.rdzv_id, nodes, args.node, token=token, tls=tls, **timing
+        )
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ElastorError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT.")
+    return tcp_rendezvous(host, int(port), nodes, args.node, token=token, bind_host=args.host, **timing)
 
 
 def _gpus(text: str | None, device: str) -> list[int]:
@@ -240,6 +277,12 @@ def _supervisor_args(args) -> list[str]:
         f"--hang-timeout-s={args.hang_timeout_s}",
         f"--lease-s={args.lease_s}",
         f"--round-deadline-s={args.round_deadline_s}",
+        f"--rdzv-backend={args.rdzv_backend}",
+        *(
+            f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+            for flag in ("etcd_cacert", "etcd_cert", "etcd_key")
+            if getattr(args, flag)
+        ),
         *(
             f"--{flag.replace('_', '-')}={getattr(args, flag)}"
             for flag in TRAIN_FLAGS

@@ -73,17 +73,19 @@ def run_local_torchrun(
     return proc.returncode, out
 
 
-def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
+def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str], *, etcd: str | None = None) -> int:
     """Start one `elastor run --node ...` per node of `cluster` and wait for all of them.
 
     SIGTERM and Ctrl-C are forwarded to the supervisors, who stop their workers; the launcher waits
     for them (SUPERVISOR_STOP_S at most, then SIGKILL). Each supervisor runs under a lifeline to the
     launcher, so killing the launcher outright takes the whole tree down too, within
     lifeline.ORPHAN_BOUND_S. A node's supervisor killed by a signal is a lost host: the others go on
-    without it; the leader's ends the run (exit 128 + the signal), since it hosts the rendezvous.
+    without it. With the embedded store the leader's ends the run (exit 128 + the signal), since it
+    hosts the rendezvous; with `etcd` (the cluster's endpoints) the others elect a new leader.
     """
     names = [n.name for n in cluster.nodes]
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = etcd or f"127.0.0.1:{free_port()}"
+    rdzv = [f"--rdzv-endpoint={endpoint}"] + ([f"--rdzv-id=simulated-{os.urandom(6).hex()}"] if etcd else [])
     env = {**os.environ, lifeline.ENV_PARENT: str(os.getpid())}
     children: list[subprocess.Popen] = []
     secret = Path(tempfile.mkdtemp(prefix="elastor-token-"))
@@ -102,7 +104,7 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
                 f"--node={node.name}",
                 f"--nodes={','.join(names)}",
                 f"--gpus={','.join(str(g) for g in node.gpus)}",
-                f"--rdzv-endpoint={endpoint}",
+                *rdzv,
                 f"--token-file={token}",
             ]
             children.append(subprocess.Popen(command, env=env, start_new_session=True))
@@ -113,7 +115,7 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
                     continue
                 told.add(name)
                 signum = -code
-                if name == names[0]:  # the leader hosts the rendezvous: the others cannot go on
+                if name == names[0] and not etcd:  # it hosts the rendezvous: the others cannot go on
                     print(
                         f"elastor run: the leader {name}'s supervisor was killed by "
                         f"{signal.Signals(signum).name}; stopping the others",
@@ -132,6 +134,8 @@ def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str]) -> int:
         _stop_all(children)
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(secret, ignore_errors=True)
+    if etcd:  # any node may lead at the end: the run's code is the survivors'
+        return max((c for c in codes if c >= 0), default=codes[0], key=abs)
     return codes[0]
 
 

@@ -14,11 +14,18 @@ workers) every HEARTBEAT_S from a thread of its own. A node whose counter has no
 failed (its peers stop their workers at once instead of waiting for a collective to time out), and
 nobody waits for its reports. Clocks are never compared across nodes.
 
-The store is a TCPStore hosted by the leader's process: zero set-up, but a single point of failure.
-When the leader's host is lost, the store goes with it and the other supervisors stop their workers
-and end with an error that says so.
+Two stores. The default (`--rdzv-backend tcp`) is a TCPStore hosted by the first node's process,
+which leads for the whole run: zero set-up, but a single point of failure. When the leader's host is
+lost, the store goes with it and the other supervisors stop their workers and end with an error that
+says so. With `--rdzv-backend etcd` the store is an etcd cluster (runtime.elastic.etcd) and the leader
+is elected: when it is lost, another node takes the office (`campaign`), reads what its predecessor
+left (`load_state`), and the run goes on; decisions are written only by the office's holder.
+
+Each round's torchrun and workers use a store of their own, hosted by the supervisor of the plan's
+first node on its --host (`host_round_store`, announced under `r/round-store`).
 """
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -48,62 +55,70 @@ class StoreLost(ElastorError):
     """The store went away: the leader's process, which hosts it, is gone."""
 
 
+class NotLeader(ElastorError):
+    """This node's office lapsed (its lease ran out) and another node leads now."""
+
+
 class Rendezvous:
     def __init__(
         self,
-        host: str,
-        port: int,
+        store: SignedStore,
         nodes: list[str],
         node: str,
         *,
-        token: bytes,
-        bind_host: str | None = None,
+        endpoint: str,
+        beat_store: SignedStore | None = None,
+        elects: bool = False,
         lease_s: float = 10.0,
         deadline_s: float = 60.0,
         timeout_s: float = 900.0,
     ):
-        """`host:port` is the leader's store (the leader binds it on `bind_host`, its --host);
+        """Use `tcp_rendezvous` or `etcd_rendezvous`. `beat_store` is the heartbeat thread's own
+        connection (the same store); `elects`: the leader is elected (etcd) rather than nodes[0];
         `deadline_s` bounds how long the leader waits for a round's health reports, `timeout_s` how
         long anyone waits for a decision."""
         if node not in nodes:
             raise ElastorError(f"Node {node!r} is not one of --nodes {','.join(nodes)}.")
         if lease_s < MIN_LEASE_S:
             raise ElastorError(f"--lease-s {lease_s:g} is shorter than {MIN_LEASE_S:g} s (three heartbeats).")
-        self.nodes, self.node, self.timeout_s = nodes, node, timeout_s
-        self.lease_s, self.deadline_s = lease_s, deadline_s
-        self.is_leader = node == nodes[0]
-        self.endpoint = f"{host}:{port}"
-        self._socket = None
-        try:
-            if self.is_leader:
-                raw, self._socket = host_store(bind_host or host, port, timeout_s=timeout_s)
-            else:
-                raw = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, OSError) as e:
-            role = "host" if self.is_leader else "reach"
-            raise ElastorError(f"Cannot {role} the rendezvous endpoint {host}:{port} ({e}).") from None
-        self.port = port
-        self.store = SignedStore(raw, token, node)
+        self.store, self._beat_store = store, beat_store or store
+        self.nodes, self.node, self.endpoint, self.elects = nodes, node, endpoint, elects
+        self.timeout_s, self.lease_s, self.deadline_s = timeout_s, lease_s, deadline_s
         self.progress: dict = {}  # this node's workers' progress, published with each heartbeat
         self._peers = {n: _Peer() for n in nodes}
         self._observed_at = 0.0
-        self._lock = threading.Lock()
+        self._leader: str | None = None
+        self._leader_read_at = -1.0
+        self._office: str | None = None  # the envelope of this node's `leader` key, while it leads
+        self._lease = self._grant() if elects else None
         self._stopped = threading.Event()
         self._beat = 0
         self._heart = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
         self._heart.start()
 
     def close(self) -> None:
+        """Stop beating; on etcd give the lease back, which drops this node's keys and office."""
         self._stopped.set()
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                self._lease.revoke()
 
     # ---- liveness -------------------------------------------------------------------------------
+    def _grant(self):
+        return self._call(self._beat_store.raw.lease_grant, self.lease_s)
+
     def _beat_forever(self) -> None:
         while not self._stopped.is_set():
             self._beat += 1
             try:
-                self.store.put(f"hb/{self.node}", {"seq": self._beat, "progress": self.progress})
+                if self._lease is not None and not self._beat_store.raw.lease_refresh(self._lease):
+                    self._office = None  # the lease lapsed (a long pause): so did the office
+                    self._lease = self._beat_store.raw.lease_grant(self.lease_s)
+                beat = {"seq": self._beat, "progress": self.progress}
+                self._beat_store.put(f"hb/{self.node}", beat, lease=self._lease)
             except (RuntimeError, OSError):
-                return  # the store is gone: the main thread finds out on its next call
+                if not self.elects:
+                    return  # the store is gone: the main thread finds out on its next call
             self._stopped.wait(HEARTBEAT_S)
 
     def observe(self) -> None:
@@ -141,6 +156,37 @@ class Rendezvous:
             found[self.node] = self.progress
         return found
 
+    # ---- leadership -----------------------------------------------------------------------------
+    def leader(self) -> str | None:
+        """The node that leads now (None: the office is vacant), read at most every OBSERVE_S."""
+        if not self.elects:
+            return self.nodes[0]
+        now = time.monotonic()
+        if now - self._leader_read_at > OBSERVE_S:
+            value = self._get_now("leader")
+            self._leader = value.get("node") if isinstance(value, dict) else None
+            self._leader_read_at = now
+        return self._leader
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader() == self.node and (not self.elects or self._office is not None)
+
+    def campaign(self) -> bool:
+        """Take the office if it is vacant (etcd); whether this node leads now."""
+        if self.elects and self._office is None:
+            self._office = self._call(self.store.create, "leader", {"node": self.node}, self._lease)
+            self._leader_read_at = -1.0
+        return self.is_leader
+
+    def save_state(self, state: dict) -> None:
+        """What the leader must remember between rounds, for a successor to pick up."""
+        self._guarded_put("leader/state", state)
+
+    def load_state(self) -> dict | None:
+        state = self._get_now("leader/state")
+        return state if isinstance(state, dict) else None
+
     # ---- health and decision --------------------------------------------------------------------
     def report_health(self, round_: int, gpus: list[int], host: str) -> None:
         self._put(f"{round_}/health/{self.node}", {"gpus": gpus, "host": host})
@@ -166,14 +212,59 @@ class Rendezvous:
             time.sleep(POLL_S)
 
     def decide(self, round_: int, decision: dict[str, Any]) -> None:
-        self._put(f"{round_}/decision", decision)
+        self._guarded_put(f"{round_}/decision", decision)
 
-    def decision(self, round_: int) -> dict[str, Any]:
-        return self._wait(f"{round_}/decision", watch=self.nodes[0])
+    def decision(self, round_: int) -> dict[str, Any] | None:
+        """The leader's decision for `round_`; None when the office fell vacant while this node
+        waited and this node took it (it must decide)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (value := self._get_now(f"{round_}/decision")) is None:
+            leader = self.leader()
+            if leader == self.node and self.is_leader:
+                return None
+            if leader is None or leader in self.lost():
+                if not self.elects:
+                    raise ElastorError(
+                        f"The leader {leader} was lost while this node waited for its decision."
+                    )
+                if self.campaign():
+                    return None
+            if time.monotonic() > deadline:
+                raise ElastorError(
+                    f"No decision for round {round_} on the rendezvous in {self.timeout_s:.0f} s; check "
+                    "that every node's supervisor is running."
+                )
+            time.sleep(POLL_S)
+        return value
+
+    def past_decision(self, round_: int) -> dict[str, Any] | None:
+        """The decision of a round that has begun (None if there was none)."""
+        value = self._get_now(f"{round_}/decision")
+        return value if isinstance(value, dict) else None
+
+    def host_round_store(self, round_: int, host: str) -> tuple[str, TCPStore]:
+        """Host the store of this round's torchrun and workers on `host`, any free port; announce
+        it. Returns (HOST:PORT, the store): the store serves until it is dropped."""
+        store = host_store(host, 0, timeout_s=self.timeout_s)
+        address = f"{host}:{store.port}"
+        self._put(f"{round_}/round-store", address)
+        return address, store
+
+    def round_store(self, round_: int, host_node: str) -> str:
+        """HOST:PORT of the round's store that `host_node` hosts (waiting for its announcement)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not isinstance(value := self._get_now(f"{round_}/round-store"), str):
+            if host_node in self.lost():
+                raise ElastorError(f"Node {host_node}, which hosts round {round_}'s store, was lost.")
+            if time.monotonic() > deadline:
+                raise ElastorError(f"Node {host_node} did not announce round {round_}'s store in time.")
+            time.sleep(POLL_S)
+        return value
 
     def finish(self, round_: int, *, timeout_s: float = 60.0) -> None:
-        """Leave after a final decision: the leader hosts the store, so it waits until every other
-        node that is not lost has read the decision (or `timeout_s` passed) before it goes."""
+        """Leave after a final decision: the leader waits until every other node that is not lost
+        has read the decision (or `timeout_s` passed) before it goes, since on tcp it hosts the
+        store; on etcd it then removes the run's keys."""
         if not self.is_leader:
             self._put(f"{round_}/read/{self.node}", True)
             return
@@ -181,8 +272,10 @@ class Rendezvous:
         others = [n for n in self.nodes if n != self.node]
         while time.monotonic() < deadline:
             if all(n in self.lost() or self._get_now(f"{round_}/read/{n}") for n in others):
-                return
+                break
             time.sleep(POLL_S)
+        if self.elects:  # etcd outlives the run: leave nothing of it behind
+            self._call(self.store.raw.delete_all)
 
     # ---- the end of a round ---------------------------------------------------------------------
     def report_exit(self, round_: int, code: int, **details: Any) -> None:
@@ -238,28 +331,67 @@ class Rendezvous:
     def _get_now(self, key: str) -> Any:
         return self._call(self.store.get, key)
 
-    def _wait(self, key: str, *, watch: str) -> Any:
-        """The value of `key`, waiting for it in Python rather than inside the store's blocking get, so
-        that a signal's handler (SIGTERM: stop) runs while a node waits; gives up when `watch`, the
-        node that writes it, is lost, or after the timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while (value := self._get_now(key)) is None:
-            if watch in self.lost():
-                raise ElastorError(f"Node {watch} was lost while this node waited for {key!r}.")
-            if time.monotonic() > deadline:
-                raise ElastorError(
-                    f"No answer on the rendezvous for {key!r} in {self.timeout_s:.0f} s; check that every "
-                    "node's supervisor is running."
-                )
-            time.sleep(POLL_S)
-        return value
+    def _guarded_put(self, key: str, value: Any) -> None:
+        """Write as the leader: on etcd only while this node still holds the office."""
+        if not self.elects:
+            self._put(key, value)
+        elif self._office is None or not self._call(self.store.put_if, key, value, "leader", self._office):
+            self._office = None
+            raise NotLeader(f"Node {self.node} no longer leads (its lease lapsed); another node does.")
 
     def _call(self, op, *args):
         try:
             return op(*args)
         except (RuntimeError, OSError) as e:  # torch raises DistNetworkError (a RuntimeError)
+            if self.elects:
+                raise StoreLost(
+                    f"Lost the etcd cluster at {self.endpoint} ({e}); rerun to resume from the newest "
+                    "checkpoint once it answers."
+                ) from None
             raise StoreLost(
                 f"Lost the rendezvous store at {self.endpoint}, which the leader {self.nodes[0]} hosts "
-                f"({type(e).__name__}); the embedded store is a single point of failure, so the run "
-                "cannot go on without the leader: rerun to resume from the newest checkpoint."
+                f"({type(e).__name__}); the embedded store is a single point of failure (--rdzv-backend "
+                "etcd is not), so the run cannot go on: rerun to resume from the newest checkpoint."
             ) from None
+
+
+def tcp_rendezvous(
+    host: str, port: int, nodes: list[str], node: str, *, token: bytes, bind_host: str | None = None, **kw
+) -> Rendezvous:
+    """The embedded store at `host:port`, hosted by the first node (on `bind_host`, its --host)."""
+    timeout_s = kw.get("timeout_s", 900.0)
+    leads = node == nodes[0]
+    try:
+        if leads:
+            raw = host_store(bind_host or host, port, timeout_s=timeout_s)
+        else:
+            raw = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        role = "host" if leads else "reach"
+        raise ElastorError(f"Cannot {role} the rendezvous endpoint {host}:{port} ({e}).") from None
+    return Rendezvous(SignedStore(raw, token, node), nodes, node, endpoint=f"{host}:{port}", **kw)
+
+
+def etcd_rendezvous(
+    endpoints: str, run_id: str, nodes: list[str], node: str, *, token: bytes, tls=None, **kw
+) -> Rendezvous:
+    """The rendezvous on the etcd cluster at `endpoints` (HOST:PORT,...), keys under `run_id`."""
+    from runtime.elastic.etcd import EtcdStore, parse_endpoints
+
+    parsed = parse_endpoints(endpoints)
+    store, beat = (EtcdStore(list(parsed), run_id, tls=tls) for _ in range(2))
+    try:
+        store.fetch("leader")
+    except ConnectionError as e:
+        raise ElastorError(
+            f"Cannot reach etcd at {endpoints} ({e}); start it or fix --rdzv-endpoint."
+        ) from None
+    return Rendezvous(
+        SignedStore(store, token, node),
+        nodes,
+        node,
+        endpoint=endpoints,
+        beat_store=SignedStore(beat, token, node),
+        elects=True,
+        **kw,
+    )

@@ -51,19 +51,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def host_store(host: str, port: int, *, timeout_s: float) -> tuple[TCPStore, socket.socket]:
-    """A TCPStore server listening on `host:port` only; keep the returned socket open as long as the
-    store serves."""
+def host_store(host: str, port: int, *, timeout_s: float) -> TCPStore:
+    """A TCPStore server listening on `host:port` only (port 0: any free one, `store.port` says
+    which). The store owns the socket from then on and closes it when it is destroyed."""
     sock = bind(host, port)
-    store = TCPStore(
+    port = sock.getsockname()[1]
+    return TCPStore(
         host,
-        sock.getsockname()[1],
+        port,
         is_master=True,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
+        master_listen_fd=sock.detach(),
     )
-    return store, sock
 
 
 def read_token(path: str | os.PathLike) -> bytes:
@@ -99,21 +99,31 @@ class SignedStore:
     """A store whose values are signed by their writer and checked by their reader (module docstring).
 
     `put` and `get` carry JSON values; `get` returns None for a key that is unset or whose value does
-    not verify. `raw` is the underlying store, for what needs no trust (torchrun's own rendezvous)."""
+    not verify. `raw` is a TCPStore or a runtime.elastic.etcd.EtcdStore; `create` and `put_if` (etcd
+    only) are its transactions, and return the envelope they wrote (None: not written)."""
 
-    def __init__(self, raw: TCPStore, token: bytes, node: str):
+    def __init__(self, raw, token: bytes, node: str):
         self.raw, self._token, self.node = raw, token, node
         self._rejected: set[tuple[str, bytes]] = set()  # logged once each
 
-    def put(self, key: str, value: Any) -> None:
-        payload = json.dumps(value, sort_keys=True)
-        envelope = {"v": payload, "from": self.node, "mac": self._mac(key, self.node, payload)}
-        self.raw.set(key, json.dumps(envelope))
+    def put(self, key: str, value: Any, lease=None) -> None:
+        envelope = self._envelope(key, value)
+        if lease is None:
+            self.raw.set(key, envelope)
+        else:
+            self.raw.set(key, envelope, lease=lease)
+
+    def create(self, key: str, value: Any, lease=None) -> str | None:
+        envelope = self._envelope(key, value)
+        return envelope if self.raw.create(key, envelope, lease=lease) else None
+
+    def put_if(self, key: str, value: Any, guard_key: str, guard_envelope: str) -> bool:
+        return self.raw.put_if(key, self._envelope(key, value), guard_key, guard_envelope)
 
     def get(self, key: str) -> Any:
-        if not self.raw.check([key]):
+        data = self._fetch(key)
+        if data is None:
             return None
-        data = self.raw.get(key)
         try:
             envelope = json.loads(data)
             payload, writer, mac = envelope["v"], envelope["from"], envelope["mac"]
@@ -124,6 +134,15 @@ class SignedStore:
         if not hmac.compare_digest(mac, self._mac(key, writer, payload)):
             return self._reject(key, data, f"claims to come from {writer!r} but its signature is wrong")
         return json.loads(payload)
+
+    def _fetch(self, key: str) -> bytes | None:
+        if hasattr(self.raw, "fetch"):  # etcd: one request
+            return self.raw.fetch(key)
+        return self.raw.get(key) if self.raw.check([key]) else None
+
+    def _envelope(self, key: str, value: Any) -> str:
+        payload = json.dumps(value, sort_keys=True)
+        return json.dumps({"v": payload, "from": self.node, "mac": self._mac(key, self.node, payload)})
 
     def _mac(self, key: str, writer: str, payload: str) -> str:
         message = b"\0".join(s.encode() for s in (key, writer, payload))

@@ -57,7 +57,7 @@ from runtime.checkpoint.store import committed
 from runtime.distributed import ENV_FIRST_RANK, ENV_MASTER, ENV_VISIBLE_GPUS
 from runtime.elastic import faults, lifeline, progress
 from runtime.elastic.faults import Fault
-from runtime.elastic.rendezvous import Rendezvous
+from runtime.elastic.rendezvous import NotLeader, Rendezvous
 from runtime.metrics import MetricsWriter
 
 POLL_S = 0.05
@@ -96,8 +96,11 @@ class RunConfig:
 
 @dataclass
 class _LeaderState:
-    """What the leader remembers between rounds."""
+    """What the leader remembers between rounds; saved on the rendezvous after every change, so that
+    a successor (an elected one, on etcd) goes on where it stopped."""
 
+    job: str = field(default_factory=lambda: os.urandom(6).hex())  # the --ckpt-dir lock's job id
+    closed: int = -1  # the last round whose exits were read
     recovered: set[Fault] = field(default_factory=set)
     stop_at: int = 0
     failed_at: float | None = None  # when the last round's first failure was noticed (wall clock)
@@ -108,6 +111,23 @@ class _LeaderState:
     # The last round's (error, plan devices, checkpointed step after it) if it failed, else None.
     last_failure: tuple[str, tuple[str, ...], int] | None = None
     stop: str | None = None  # why the run must end at the next decision
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "recovered": sorted(str(f) for f in self.recovered),
+            "hung": sorted(self.hung),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "_LeaderState":
+        last = d.get("last_failure")
+        return cls(
+            **{k: v for k, v in d.items() if k not in ("recovered", "hung", "last_failure")},
+            recovered={Fault.parse(f, "leader state") for f in d.get("recovered", [])},
+            hung=set(d.get("hung", [])),
+            last_failure=(last[0], tuple(last[1]), last[2]) if last else None,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,9 +162,7 @@ class NodeSupervisor:
         round_ = 0
         while True:
             self.rdzv.report_health(round_, self.probe(), self.host)
-            if self.rdzv.is_leader:
-                self.rdzv.decide(round_, self._lead(round_))
-            decision = self.rdzv.decision(round_)
+            decision = self._agree(round_)
             if decision.get("error") or decision.get("done"):
                 self.rdzv.finish(round_)
             if decision.get("error"):
@@ -156,19 +174,49 @@ class NodeSupervisor:
             plan = Plan.from_json(decision["plan"])
             self.rdzv.report_exit(round_, **asdict(self._run_round(round_, plan, decision)))
             if self.rdzv.is_leader:
-                self._after_round(round_, plan, self.rdzv.exits(round_, plan.nodes()))
+                self._take_office(round_ + 1)
             round_ += 1
 
-    def _lead(self, round_: int) -> dict:
-        """The leader's decision for `round_`. Before its first round the leader takes the
-        --ckpt-dir's lock for the whole job (runtime/checkpoint/lock.py); every round's workers, on
-        every node, get the job's id and so go on under it, while another job is refused."""
+    def _agree(self, round_: int) -> dict:
+        """Round `round_`'s decision: the leader's, or this node's if it leads (or comes to lead
+        while it waits: the office fell vacant and it won the election)."""
+        while True:
+            if self.rdzv.is_leader:
+                self._take_office(round_)
+                with contextlib.suppress(NotLeader):  # deposed meanwhile: read the successor's
+                    self.rdzv.decide(round_, self._lead(round_))
+            if (decision := self.rdzv.decision(round_)) is not None:
+                return decision
+
+    def _take_office(self, round_: int) -> None:
+        """Before leading round `round_`: take over what a predecessor left (its state, the
+        --ckpt-dir's lock for the job) and close every round before `round_` that it did not (read
+        their exits: a failure ends up counted and its cause left out, whoever led)."""
         if self.ckpt_lock is None:
+            if saved := self.rdzv.load_state():
+                self.state = _LeaderState.from_json(saved)
+            # The lock's holder may be a predecessor that is not quite dead: this job's id lets
+            # the new leader go on beside it (runtime/checkpoint/lock.py), another job is refused.
+            os.environ[ENV_JOB] = self.state.job
             try:
-                self.ckpt_lock = lock_directory(self.config.ckpt_dir, job=os.urandom(6).hex())
+                self.ckpt_lock = lock_directory(self.config.ckpt_dir)
             except CheckpointError as e:
-                return {"error": str(e)}
-        return {**self._decide(round_, self.rdzv.health(round_)), "ckpt_job": self.ckpt_lock.job}
+                self.state.stop = str(e)
+        for past in range(self.state.closed + 1, round_):
+            decision = self.rdzv.past_decision(past)
+            if decision and decision.get("plan"):
+                plan = Plan.from_json(decision["plan"])
+                self._after_round(past, plan, self.rdzv.exits(past, plan.nodes()))
+            self.state.closed = past
+        with contextlib.suppress(NotLeader):
+            self.rdzv.save_state(self.state.to_json())
+
+    def _lead(self, round_: int) -> dict:
+        """The leader's decision for `round_`. Every round's workers, on every node, get the job's id
+        and so go on under the leader's lock on --ckpt-dir, while another job is refused."""
+        decision = {**self._decide(round_, self.rdzv.health(round_)), "ckpt_job": self.state.job}
+        self.rdzv.save_state(self.state.to_json())
+        return decision
 
     # ---- health ---------------------------------------------------------------------------------
     def probe(self) -> list[int]:
@@ -228,6 +276,7 @@ class NodeSupervisor:
             metrics.event(
                 "replanned",
                 round=round_,
+                leader=self.node,
                 step=step,
                 healthy=healthy,
                 devices=plan.world_size,
@@ -315,6 +364,14 @@ class NodeSupervisor:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         log = cfg.log_dir / f"round-{round_}-{self.node}.log"
         on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
+        first, hosted = plan.nodes()[0], None
+        try:
+            if self.node == first:  # the round's store: torchrun's rendezvous and the workers'
+                address, hosted = self.rdzv.host_round_store(round_, self.host)
+            else:
+                address = self.rdzv.round_store(round_, first)
+        except ElastorError as e:
+            return RoundExit(code=1, error=str(e), stopped=True)
         with tempfile.TemporaryDirectory(prefix="elastor-round-") as tmp:
             plan_path = Path(tmp) / "plan.json"
             plan_path.write_text(json.dumps(plan.to_json()))
@@ -322,8 +379,8 @@ class NodeSupervisor:
             progress_dir.mkdir()
             with open(log, "w") as out:
                 worker = subprocess.Popen(
-                    self._torchrun(round_, plan, plan_path, decision),
-                    env=self._worker_env(round_, plan, decision, progress_dir),
+                    self._torchrun(round_, plan, plan_path, decision, address),
+                    env=self._worker_env(round_, plan, decision, progress_dir, address),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -348,6 +405,7 @@ class NodeSupervisor:
                     _stop(worker)
                 if left := lifeline.kill_children():  # none of the round may outlive it
                     _say(f"killed {len(left)} process(es) of round {round_} that outlived torchrun")
+                del hosted  # the round's store closes with the round
         if verdict is not None:
             which = ", ".join(verdict.devices) or "the round"
             _say(f"{which} hung ({verdict.why}); killed the workers on {self.node}")
@@ -360,8 +418,8 @@ class NodeSupervisor:
         _say(f"workers on {self.node} exited with {code}; their output is in {log}")
         return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
 
-    def _torchrun(self, round_: int, plan: Plan, plan_path: Path, decision: dict) -> list[str]:
-        """torchrun for this node's share of the round: a client of the leader's store for its own
+    def _torchrun(self, round_: int, plan: Plan, plan_path: Path, decision: dict, store: str) -> list[str]:
+        """torchrun for this node's share of the round: a client of the round's store for its own
         rendezvous (which only gathers the round's nodes; the workers' ranks come from the plan)."""
         cfg = self.config
         on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
@@ -371,7 +429,7 @@ class NodeSupervisor:
             f"--nnodes={len(plan.nodes())}",
             f"--nproc-per-node={len(on_node)}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.rdzv.endpoint}",
+            f"--rdzv-endpoint={store}",
             f"--rdzv-id=elastor-{decision.get('ckpt_job', '')}-round-{round_}",
             "--rdzv-conf=is_host=false",
             f"--local-addr={self.host}",
@@ -391,7 +449,9 @@ class NodeSupervisor:
             *cfg.train_args,
         ]
 
-    def _worker_env(self, round_: int, plan: Plan, decision: dict, progress_dir: Path) -> dict[str, str]:
+    def _worker_env(
+        self, round_: int, plan: Plan, decision: dict, progress_dir: Path, store: str
+    ) -> dict[str, str]:
         cfg = self.config
         first_rank = next(i for i, d in enumerate(plan.devices) if d.split(":")[0] == self.node)
         env = {
@@ -399,7 +459,7 @@ class NodeSupervisor:
             faults.ENV_FAILURES: decision.get("failures", ""),
             lifeline.ENV_PARENT: str(os.getpid()),
             ENV_JOB: decision.get("ckpt_job", ""),
-            ENV_MASTER: f"{decision['master_addr']}:{self.rdzv.port + 1 + round_}",
+            ENV_MASTER: store,
             ENV_FIRST_RANK: str(first_rank),
             progress.ENV_DIR: str(progress_dir),
             # torchrun's rank-0 agent would otherwise host a second store, on every interface.
