@@ -14,7 +14,8 @@ from dist_helpers import free_port
 from etcd_helpers import etcd_server, needs_etcd
 
 from costmodel.errors import ElastorError
-from runtime.elastic import progress
+from runtime.elastic import faults, progress
+from runtime.elastic.faults import Fault
 from runtime.elastic.progress import HangWatch
 from runtime.elastic.rendezvous import NotLeader, Rendezvous, etcd_rendezvous, tcp_rendezvous
 from runtime.elastic.report import recoveries
@@ -270,3 +271,42 @@ def test_etcd_elects_one_leader_and_a_successor_without_a_split_brain(tmp_path):
 def test_an_unreachable_etcd_is_one_sentence():
     with pytest.raises(ElastorError, match=r"Cannot reach etcd at 127\.0\.0\.1:1 "):
         etcd_rendezvous("127.0.0.1:1", "x", ["n0"], "n0", token=TOKEN)
+
+
+# ---- injected faults of each kind ---------------------------------------------------------------
+def test_injected_faults_name_their_kind_and_round_trip():
+    assert Fault.parse("n1:3@20", "--inject-failure") == Fault(step=20, device="n1:3")
+    hang, host = Fault.parse("hang:n1:3@20", "f"), Fault.parse("host:n0:0@5", "f")
+    assert (hang.kind, hang.device, host.kind, host.step) == ("hang", "n1:3", "host", 5)
+    assert faults.decode(faults.encode([hang, host])) == [hang, host]
+    with pytest.raises(ElastorError, match="'freeze' is not a kind of failure"):
+        Fault.parse("freeze:n1:3@20", "--inject-failure")
+
+
+@linux_only
+def test_an_injected_hang_stops_the_worker_and_a_host_failure_kills_its_supervisor(tmp_path):
+    """The worker's side of `hang:` and `host:`, in child processes standing in for the worker and
+    its supervisor."""
+    import signal
+    import subprocess
+
+    metrics = tmp_path / "metrics.jsonl"
+    code = (
+        "import sys; from pathlib import Path; from runtime.elastic import faults; "
+        "faults.maybe_fail('n1:0', 4, faults.decode(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code, "hang:n1:0@4", str(metrics)])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{worker.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.05)
+    finally:
+        worker.kill()
+        worker.wait()
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    env = {**os.environ, faults.ENV_SUPERVISOR: str(supervisor.pid)}
+    worker = subprocess.run([sys.executable, "-c", code, "host:n1:0@4", str(metrics)], env=env, timeout=60)
+    assert worker.returncode == -signal.SIGKILL and supervisor.wait(timeout=10) == -signal.SIGKILL
+    kinds = [(f.kind, f.device) for f, _ in faults.fired(metrics)]
+    assert kinds == [("hang", "n1:0"), ("host", "n1:0")]

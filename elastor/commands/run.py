@@ -109,9 +109,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--inject-failure",
         action="append",
         default=[],
-        metavar="DEVICE@STEP",
-        help="SIGKILL the worker playing DEVICE when training reaches STEP (repeatable; a script: each "
-        "failure is armed once the ones before it have fired or are due no later)",
+        metavar="[hang:|host:]DEVICE@STEP",
+        help="SIGKILL the worker playing DEVICE when training reaches STEP; hang:DEVICE@STEP freezes it "
+        "(SIGSTOP), host:DEVICE@STEP takes its whole node down (repeatable; a script: each failure is "
+        "armed once the ones before it have fired or are due no later)",
     )
     p.add_argument(
         "--inject-recovery",

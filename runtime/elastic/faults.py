@@ -1,7 +1,11 @@
 """Injected faults: `--inject-failure n1:3@20` and `--inject-recovery n1:3@40`.
 
 A failure `D@S` SIGKILLs the worker playing device D when its training reaches global step S (right
-after step S completes, or at start-up when it resumes at step S: a failure during recovery).
+after step S completes, or at start-up when it resumes at step S: a failure during recovery). Two
+more kinds test the control plane: `hang:D@S` freezes that worker (it SIGSTOPs itself, as a GPU that
+stops answering leaves its process: the supervisors' hang detection must find it), and `host:D@S`
+takes down D's whole node (the worker SIGKILLs its supervisor, whose torchrun and workers die with
+it: a lost host, which the others find by its heartbeat).
 Failures form a script, in the order given: one is armed once every failure listed before it has
 fired or is due no later than it. So `n1:0@6 n0:1@4` kills n1:0 at step 6 and then n0:1 when the
 survivors resume from the checkpoint of step 4, during the recovery. Before
@@ -22,23 +26,35 @@ from costmodel.cluster import parse_device
 from costmodel.errors import ElastorError
 
 ENV_FAILURES = "ELASTOR_INJECT_FAILURES"  # pending failures handed to the workers of a round
+ENV_SUPERVISOR = "ELASTOR_SUPERVISOR_PID"  # the supervisor a `host:` failure takes down
+KINDS = ("kill", "hang", "host")
 
 
 @dataclass(frozen=True, order=True)
 class Fault:
     step: int
     device: str
+    kind: str = "kill"
 
     @classmethod
     def parse(cls, text: str, flag: str) -> "Fault":
-        device, sep, step = text.partition("@")
+        kind, sep, rest = text.partition(":")
+        if text.count(":") >= 2 and kind not in KINDS[1:]:
+            raise ElastorError(
+                f"{flag} {text!r}: {kind!r} is not a kind of failure; [hang:|host:]DEVICE@STEP, like "
+                "hang:n1:3@20 (no kind: the worker is killed)."
+            )
+        if kind not in KINDS[1:]:
+            kind, rest = "kill", text
+        device, sep, step = rest.partition("@")
         if not sep or not step.isdigit():
-            raise ElastorError(f"{flag} {text!r} is not DEVICE@STEP, like n1:3@20.")
+            raise ElastorError(f"{flag} {text!r} is not [hang:|host:]DEVICE@STEP, like n1:3@20.")
         parse_device(device)
-        return cls(step=int(step), device=device)
+        return cls(step=int(step), device=device, kind=kind)
 
     def __str__(self) -> str:
-        return f"{self.device}@{self.step}"
+        prefix = "" if self.kind == "kill" else f"{self.kind}:"
+        return f"{prefix}{self.device}@{self.step}"
 
 
 def encode(faults: list[Fault]) -> str:
@@ -60,7 +76,8 @@ def fired(metrics_path: Path) -> list[tuple[Fault, float]]:
         except json.JSONDecodeError:  # a line cut short by a crash
             continue
         if record.get("event") == "failure_injected":
-            found.append((Fault(step=record["step"], device=record["device"]), record["time_s"]))
+            fault = Fault(step=record["step"], device=record["device"], kind=record.get("kind", "kill"))
+            found.append((fault, record["time_s"]))
     return found
 
 
@@ -76,12 +93,26 @@ def armed(failures: tuple[Fault, ...], fired_: list[tuple[Fault, float]]) -> lis
 
 
 def maybe_fail(device: str, step: int, pending: list[Fault], metrics_path: Path) -> None:
-    """Kill this process with SIGKILL if a failure of `device` is due at `step` (called by workers)."""
-    if not any(f.device == device and f.step == step for f in pending):
+    """Fail as a fault of `device` due at `step` says, if there is one (called by workers): SIGKILL
+    this process, SIGSTOP it, or SIGKILL its supervisor and then this process."""
+    due = [f for f in pending if f.device == device and f.step == step]
+    if not due:
         return
-    record = {"event": "failure_injected", "device": device, "step": step, "time_s": time.time()}
+    kind = due[0].kind
+    record = {
+        "event": "failure_injected",
+        "device": device,
+        "step": step,
+        "kind": kind,
+        "time_s": time.time(),
+    }
     with open(metrics_path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    if kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # only if someone sends SIGCONT: then the round goes on as if nothing had happened
+    if kind == "host" and (supervisor := os.environ.get(ENV_SUPERVISOR)):
+        os.kill(int(supervisor), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -458,6 +458,7 @@ class NodeSupervisor:
             **os.environ,
             faults.ENV_FAILURES: decision.get("failures", ""),
             lifeline.ENV_PARENT: str(os.getpid()),
+            faults.ENV_SUPERVISOR: str(os.getpid()),
             ENV_JOB: decision.get("ckpt_job", ""),
             ENV_MASTER: store,
             ENV_FIRST_RANK: str(first_rank),

@@ -1,0 +1,153 @@
+"""Recovery from each kind of failure `elastor run` handles, timed phase by phase, in one sitting.
+
+    python benchmarks/recovery_bench.py                  # gpt-tiny on three simulated single-GPU nodes
+    python benchmarks/recovery_bench.py --steps 40       # longer runs
+
+Each scenario is one `elastor run --cluster 1,1,1` of gpt-tiny (the repository's CPU profile) that
+injects one failure at step 8 (runtime/elastic/faults.py) into a node of the first plan other than
+n0 (n1, the planner's second node):
+- worker: the worker is SIGKILLed (torchrun notices);
+- host: its whole node dies, supervisor included (the others notice when its lease runs out);
+- hang: the worker freezes (hang detection notices after --hang-timeout-s);
+- leader (etcd only, when an `etcd` server is on PATH): the leader's whole node dies, on an etcd
+  the benchmark starts on loopback, and another node takes the office.
+The phases are the leader's breakdown (runtime/elastic/report.py): detect, rendezvous, plan,
+restart, load, first step. Writes benchmarks/results/recovery_bench.json.
+"""
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from costmodel.jsonio import write_json  # noqa: E402
+from costmodel.table import format_table  # noqa: E402
+from runtime.elastic.report import read_metrics, recoveries  # noqa: E402
+
+PROFILE = REPO / "profiles" / "gpt-tiny-cpu.json"
+PHASES = ("detect", "rendezvous", "plan", "restart", "load", "first step")
+LEASE_S, HANG_TIMEOUT_S = 5.0, 10.0
+RUN_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _etcd(folder: Path):
+    """A one-member etcd on loopback; yields HOST:PORT."""
+    client, peer = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [
+            "etcd",
+            "--name=bench",
+            f"--data-dir={folder}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=bench=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", client), timeout=1):
+                break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("etcd did not start")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def _run(folder: Path, steps: int, *flags: str) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "elastor",
+        "run",
+        "--cluster=1,1,1",
+        f"--profile={PROFILE}",
+        "--global-batch-size=8",
+        f"--steps={steps}",
+        f"--ckpt-dir={folder / 'ckpt'}",
+        "--ckpt-every=4",
+        f"--lease-s={LEASE_S}",
+        f"--hang-timeout-s={HANG_TIMEOUT_S}",
+        *flags,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    done = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{' '.join(flags)}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    found = recoveries(read_metrics(folder / "ckpt" / "metrics.jsonl"))
+    if len(found) != 1:
+        raise SystemExit(f"{' '.join(flags)}: expected one recovery, found {len(found)}")
+    r = found[0]
+    return {
+        "phases_s": r.phases_s,
+        "total_s": r.total_s,
+        "devices": [r.devices_before, r.devices_after],
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="elastor-recovery-") as tmp:
+        tmp = Path(tmp)
+        scenarios = {
+            "worker": ("--inject-failure=n1:0@8",),
+            "host": ("--inject-failure=host:n1:0@8",),
+            "hang": ("--inject-failure=hang:n1:0@8",),
+        }
+        for name, flags in scenarios.items():
+            print(f"{name} ...", flush=True)
+            results[name] = _run(tmp / name, args.steps, *flags)
+        if shutil.which("etcd"):
+            print("leader (etcd) ...", flush=True)
+            with _etcd(tmp / "etcd") as endpoint:
+                flags = ("--inject-failure=host:n0:0@8", "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}")
+                results["leader (etcd)"] = _run(tmp / "leader", args.steps, *flags)
+        else:
+            print("no etcd on PATH: the lost-leader scenario is skipped")
+    rows = [("failure", *(f"{p} s" for p in PHASES), "total s")]
+    for name, r in results.items():
+        rows.append((name, *(f"{r['phases_s'][p]:.2f}" for p in PHASES), f"{r['total_s']:.2f}"))
+    print(format_table(rows))
+    out = REPO / "benchmarks" / "results" / "recovery_bench.json"
+    write_json(out, {"lease_s": LEASE_S, "hang_timeout_s": HANG_TIMEOUT_S, "steps": args.steps, **results})
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
