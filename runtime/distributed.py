@@ -67,6 +67,14 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
+def cuda_index(gpu: int) -> int:
+    """torch's index of physical GPU `gpu`: under `elastor run` a worker sees only its node's GPUs of
+    the plan (CUDA_VISIBLE_DEVICES, in the plan's order, mirrored in ELASTOR_VISIBLE_GPUS), so it is
+    the place of `gpu` in that list; elsewhere the GPU's own number."""
+    visible = os.environ.get(ENV_VISIBLE_GPUS)
+    return [int(g) for g in visible.split(",")].index(gpu) if visible else gpu
+
+
 def _round_store(world_size: int, timeout_s: float) -> dist.Store:
     """The round's store at ELASTOR_MASTER (hosted by a supervisor on its --host only; torch's own
     env:// store would listen on every interface), the workers' keys under a prefix of their own."""
@@ -100,11 +108,7 @@ def init_distributed(
                 f"{on_node.index(name)}-th device of node {node}; start one torchrun per node in the "
                 "plan's node order with as many processes as the plan gives that node."
             )
-        # Under `elastor run` a worker sees only its node's GPUs of the plan (CUDA_VISIBLE_DEVICES, in
-        # the plan's order), so GPU g is the index of g in that list.
-        visible = os.environ.get(ENV_VISIBLE_GPUS)
-        index = [int(g) for g in visible.split(",")].index(gpu) if visible else gpu
-        torch_device = torch.device("cuda", index)
+        torch_device = torch.device("cuda", cuda_index(gpu))
         torch.cuda.set_device(torch_device)
         backend = "nccl"
     else:

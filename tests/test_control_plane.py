@@ -4,14 +4,16 @@ The multi-process stories (a node lost, a worker frozen, a stranger's messages) 
 tests/test_elastic_faults.py.
 """
 
+import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from etcd_helpers import etcd_server, needs_etcd
+from etcd_helpers import OPENSSL, etcd_cluster, etcd_server, make_certs, needs_etcd
 
 from costmodel.errors import ElastorError
 from runtime.elastic import faults, progress
@@ -287,7 +289,6 @@ def test_injected_faults_name_their_kind_and_round_trip():
 def test_an_injected_hang_stops_the_worker_and_a_host_failure_kills_its_supervisor(tmp_path):
     """The worker's side of `hang:` and `host:`, in child processes standing in for the worker and
     its supervisor."""
-    import signal
     import subprocess
 
     metrics = tmp_path / "metrics.jsonl"
@@ -310,3 +311,98 @@ def test_an_injected_hang_stops_the_worker_and_a_host_failure_kills_its_supervis
     assert worker.returncode == -signal.SIGKILL and supervisor.wait(timeout=10) == -signal.SIGKILL
     kinds = [(f.kind, f.device) for f, _ in faults.fired(metrics)]
     assert kinds == [("hang", "n1:0"), ("host", "n1:0")]
+
+
+# ---- GPUs: probes and what the workers see -------------------------------------------------------
+def test_gpus_are_probed_at_once_each_alone_and_a_stuck_probe_is_left_out(monkeypatch):
+    from runtime.elastic import supervisor
+
+    # Stand-ins for the CUDA probe: GPU 1 is broken, GPU 3 hangs; each sees only its own GPU.
+    probe = (
+        "import os, sys, time; g = os.environ['CUDA_VISIBLE_DEVICES']; time.sleep(1.0); "
+        "time.sleep(600 if g == '3' else 0); sys.exit(g == '1')"
+    )
+    monkeypatch.setattr(supervisor, "_PROBE", probe)
+    started = time.monotonic()
+    assert supervisor.probe_cuda([0, 1, 2, 3], timeout_s=3.0) == [0, 2]
+    assert time.monotonic() - started < 3.0 + 2.0  # in parallel: one probe's time, plus the bound
+
+
+def test_a_worker_sees_only_its_nodes_gpus_of_the_plan(tmp_path, monkeypatch):
+    from costmodel import ClusterSpec, ModelProfile
+    from costmodel.cluster import NodeSpec
+    from costmodel.jsonio import read_json
+    from runtime.distributed import ENV_VISIBLE_GPUS, cuda_index
+    from runtime.elastic.supervisor import NodeSupervisor, RunConfig
+    from solver import solve
+
+    profile = ModelProfile.from_json(
+        read_json(Path(__file__).parent.parent / "profiles" / "gpt-tiny-cpu.json", "profile")
+    )
+    counts = ClusterSpec.from_counts([2, 3], profile.device_kind)
+    cluster = dataclasses.replace(
+        counts, nodes=(NodeSpec(name="n0", gpus=(0, 1)), NodeSpec(name="n1", gpus=(2, 5, 7)))
+    )
+    plan = solve(profile, cluster, 8)
+    config = RunConfig(
+        profile=profile,
+        cluster=cluster,
+        global_batch_size=8,
+        steps=1,
+        ckpt_dir=tmp_path,
+        ckpt_every=1,
+        metrics=tmp_path / "m.jsonl",
+        max_restarts=0,
+        device="cuda",
+    )
+
+    class _Rdzv:
+        node = "n1"
+
+    env = NodeSupervisor(config, _Rdzv(), [2, 5, 7])._worker_env(
+        0, plan, {"master_addr": "10.0.0.1"}, tmp_path, "10.0.0.1:1234"
+    )
+    mine = [int(d.split(":")[1]) for d in plan.devices if d.startswith("n1:")]
+    assert mine and env["CUDA_VISIBLE_DEVICES"] == env[ENV_VISIBLE_GPUS] == ",".join(map(str, mine))
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(config.log_dir))
+    monkeypatch.setenv(ENV_VISIBLE_GPUS, env[ENV_VISIBLE_GPUS])
+    assert [cuda_index(g) for g in mine] == list(range(len(mine)))
+
+
+@needs_etcd
+def test_a_three_member_etcd_keeps_the_rendezvous_going_when_a_member_is_lost(tmp_path):
+    with etcd_cluster(tmp_path / "etcd", members=3) as members:
+        endpoints = ",".join(endpoint for endpoint, _ in members)
+        rdzv = etcd_rendezvous(endpoints, os.urandom(4).hex(), ["n0"], "n0", token=TOKEN, lease_s=3.0)
+        try:
+            assert rdzv.campaign()
+            rdzv.decide(0, {"plan": "before"})
+            first = members[0][1]
+            first.send_signal(signal.SIGKILL)  # the member the client talks to first
+            first.wait()
+            rdzv.decide(1, {"plan": "after"})  # the client goes on with the others
+            assert rdzv.past_decision(0) == {"plan": "before"} and rdzv.decision(1) == {"plan": "after"}
+            time.sleep(rdzv.lease_s + 1)  # heartbeats kept the lease, so the office, alive
+            assert rdzv.is_leader
+        finally:
+            rdzv.close()
+
+
+@needs_etcd
+@pytest.mark.skipif(OPENSSL is None, reason="needs openssl to make certificates")
+def test_etcd_over_tls_admits_only_a_client_certificate_of_its_ca(tmp_path):
+    from runtime.elastic.etcd import EtcdTLS
+
+    certs = make_certs(tmp_path / "certs")
+    with etcd_server(tmp_path / "etcd", tls=certs) as endpoint:
+        tls = EtcdTLS(str(certs["ca"]), str(certs["client"]), str(certs["client-key"]))
+        rdzv = etcd_rendezvous(endpoint, "tls", ["n0"], "n0", token=TOKEN, tls=tls)
+        try:
+            assert rdzv.campaign()
+            rdzv.decide(0, {"plan": "over TLS"})
+            assert rdzv.decision(0) == {"plan": "over TLS"}
+        finally:
+            rdzv.close()
+        with pytest.raises(ElastorError, match="Cannot reach etcd"):  # no client certificate
+            etcd_rendezvous(endpoint, "tls", ["n0", "n1"], "n1", token=TOKEN, tls=EtcdTLS(str(certs["ca"])))

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from dist_helpers import REPO, elastor_run, run_env
 from etcd_helpers import etcd_server, needs_etcd
-from proc_helpers import MARK, children, cmdline, descendants, marked
+from proc_helpers import MARK, children, cmdline, descendants, gone_within, marked
 from test_elastic import CKPT_EVERY, GLOBAL_BATCH, RUN_TIMEOUT_S, _assert_matches_reference, _profile
 
 from costmodel import Plan
+from runtime.elastic.lifeline import ORPHAN_BOUND_S
 from runtime.elastic.report import read_metrics, recoveries
 from runtime.elastic.store import SignedStore
 
@@ -85,8 +86,10 @@ class _Run:
         return next(p for p in children(self.launcher.pid) if f"--node={node} " in cmdline(p) + " ")
 
     def finish(self) -> list[dict]:
+        """Wait for the run to end well; no process of it, of any round, may be left behind."""
         code = self.launcher.wait(timeout=RUN_TIMEOUT_S)
         assert code == 0, self.output()
+        assert gone_within(set(marked(self.mark)), ORPHAN_BOUND_S) == set()
         return read_metrics(self.metrics)
 
 
@@ -170,6 +173,8 @@ def test_a_frozen_worker_is_found_within_the_hang_timeout_and_left_out(tmp_path,
     _assert_matches_reference(tmp_path, records, steps)
 
 
+@pytest.mark.slow  # about 30 s; make test's budget (the forgeries are also tested in one process by
+# tests/test_control_plane.py, and the stores' binding)
 def test_strangers_messages_change_nothing_and_nothing_listens_beyond_loopback(tmp_path, profile_path):
     """A process without the token posts, again and again while the round trains, a failure of n1, a
     plan for the next round and heartbeats, unsigned and signed with a guessed token: the run goes on

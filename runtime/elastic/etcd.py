@@ -21,13 +21,19 @@ endpoints may be given: a request that cannot reach one tries the next.
 """
 
 import base64
+import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 from costmodel.errors import ElastorError
 
 PREFIX = "/elastor"
-REQUEST_TIMEOUT_S = 5.0  # one request to one endpoint
+REQUEST_TIMEOUT_S = 2.0  # one request to one endpoint
+# How long a request keeps trying every endpoint before the store counts as lost: a few of etcd's
+# Raft elections (1 s each by default), short beside a lease.
+RETRY_S = 10.0
+RETRY_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -74,26 +80,45 @@ class EtcdStore:
             Etcd3Client(host=h, port=p, protocol=protocol, timeout=REQUEST_TIMEOUT_S, **options)
             for h, p in endpoints
         ]
+        for client in self._clients:
+            # Not the environment's proxies or CA bundle: requests lets REQUESTS_CA_BUNDLE override
+            # the session's own CA (so --etcd-cacert), and etcd is never reached through a proxy.
+            client.session.trust_env = False
         self.endpoints = endpoints
         self.prefix = f"{PREFIX}/{run_id}/"
         self._lock = threading.Lock()  # requests' sessions are not safe across threads
+        self.retry_s = RETRY_S
 
     def _call(self, name: str, *args, **kwargs):
-        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+        """Client method `name` on the first endpoint that answers."""
+        return self._each(lambda client: getattr(client, name)(*args, **kwargs))
 
-        errors = []
-        with self._lock:
-            for i, client in enumerate(self._clients):
-                try:
-                    result = getattr(client, name)(*args, **kwargs)
-                except (ConnectionFailedError, ConnectionTimeoutError) as e:
-                    errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(e).__name__}")
-                    continue
-                if i:  # the one that answered goes first from now on
-                    self._clients.insert(0, self._clients.pop(i))
-                    self.endpoints.insert(0, self.endpoints.pop(i))
-                return result
-        raise ConnectionError(f"no etcd endpoint answered ({'; '.join(errors)})")
+    def _each(self, op):
+        """`op(client)` on the first endpoint that answers; that one goes first from then on. While
+        none does, for up to RETRY_S (a member lost, the others electing a new Raft leader), try
+        them all again."""
+        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, InternalServerError
+
+        retry = (ConnectionFailedError, ConnectionTimeoutError, InternalServerError)
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            errors = []
+            with self._lock:
+                for i, client in enumerate(self._clients):
+                    try:
+                        result = op(client)
+                    except retry as e:  # refused, timed out, or a 5xx such as "leader changed"
+                        errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(e).__name__}")
+                        continue
+                    if i:
+                        self._clients.insert(0, self._clients.pop(i))
+                        self.endpoints.insert(0, self.endpoints.pop(i))
+                    return result
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"no etcd endpoint answered in {self.retry_s:g} s ({'; '.join(errors)})"
+                )
+            time.sleep(RETRY_PAUSE_S)
 
     # ---- keys -----------------------------------------------------------------------------------
     def set(self, key: str, value: str, lease=None) -> None:
@@ -131,15 +156,16 @@ class EtcdStore:
         return self._call("lease", max(1, round(ttl_s)))
 
     def lease_refresh(self, lease) -> bool:
-        """Refresh `lease`; False if it had already lapsed (etcd then answers without a TTL)."""
-        return self._call_on(lease.refresh) > 0
+        """Refresh `lease` through whichever endpoint answers; False if it had already lapsed (etcd
+        then answers without a TTL)."""
+        from etcd3gw.lease import Lease
 
-    def _call_on(self, op):
-        """`op` (bound to one client, as a lease is) under the lock, its connection errors converted."""
-        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+        return self._each(lambda client: Lease(lease.id, client).refresh()) > 0
 
-        try:
-            with self._lock:
-                return op()
-        except (ConnectionFailedError, ConnectionTimeoutError) as e:
-            raise ConnectionError(f"etcd did not answer ({type(e).__name__})") from None
+    def lease_revoke(self, lease) -> None:
+        """Give `lease` back: its keys go at once instead of when it lapses."""
+        from etcd3gw.exceptions import Etcd3Exception
+        from etcd3gw.lease import Lease
+
+        with contextlib.suppress(Etcd3Exception):  # etcd no longer knows it: it lapsed already
+            self._each(lambda client: Lease(lease.id, client).revoke())

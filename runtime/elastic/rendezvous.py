@@ -41,6 +41,7 @@ POLL_S = 0.05  # how often a node waiting for a key looks for it
 HEARTBEAT_S = 1.0  # how often a supervisor beats; a lease is several beats long
 MIN_LEASE_S = 3 * HEARTBEAT_S  # a shorter lease would expire between two healthy beats
 OBSERVE_S = 0.2  # how often the others' heartbeats are read
+REACH_S = 2.0  # how long a supervisor tries to reach etcd at start-up
 
 
 @dataclass
@@ -100,8 +101,8 @@ class Rendezvous:
         """Stop beating; on etcd give the lease back, which drops this node's keys and office."""
         self._stopped.set()
         if self._lease is not None:
-            with contextlib.suppress(Exception):
-                self._lease.revoke()
+            with contextlib.suppress(OSError):  # etcd gone: the lease lapses by itself
+                self._beat_store.raw.lease_revoke(self._lease)
 
     # ---- liveness -------------------------------------------------------------------------------
     def _grant(self):
@@ -381,7 +382,9 @@ def etcd_rendezvous(
     parsed = parse_endpoints(endpoints)
     store, beat = (EtcdStore(list(parsed), run_id, tls=tls) for _ in range(2))
     try:
+        store.retry_s = REACH_S  # at start-up, an etcd that does not answer is most likely not there
         store.fetch("leader")
+        store.retry_s = beat.retry_s
     except ConnectionError as e:
         raise ElastorError(
             f"Cannot reach etcd at {endpoints} ({e}); start it or fix --rdzv-endpoint."
