@@ -406,3 +406,34 @@ def test_etcd_over_tls_admits_only_a_client_certificate_of_its_ca(tmp_path):
             rdzv.close()
         with pytest.raises(ElastorError, match="Cannot reach etcd"):  # no client certificate
             etcd_rendezvous(endpoint, "tls", ["n0", "n1"], "n1", token=TOKEN, tls=EtcdTLS(str(certs["ca"])))
+
+
+@needs_etcd
+def test_on_etcd_the_nodes_run_for_the_office_in_their_order(tmp_path):
+    import threading
+
+    with etcd_server(tmp_path / "etcd") as endpoint:
+        nodes, run_id = ["n0", "n1", "n2"], os.urandom(4).hex()
+        first, second = (
+            etcd_rendezvous(endpoint, run_id, nodes, n, token=TOKEN, lease_s=3.0) for n in nodes[:2]
+        )
+        try:
+            got = {}
+            waiter = threading.Thread(target=lambda: got.update(d=second.decision(0)))
+            waiter.start()
+            time.sleep(1.0)  # the office is vacant, but n0 is alive and goes first
+            assert second.leader() is None and not second.is_leader
+            assert first.campaign()
+            first.decide(0, {"plan": "n0's"})
+            waiter.join(timeout=10)
+            assert got["d"] == {"plan": "n0's"}
+        finally:
+            first.close()
+            second.close()
+        alone = etcd_rendezvous(endpoint, os.urandom(4).hex(), nodes, "n1", token=TOKEN, lease_s=3.0)
+        try:
+            started = time.monotonic()
+            assert alone.decision(0) is None and alone.is_leader  # n0 never came: after a lease, n1 runs
+            assert 3.0 <= time.monotonic() - started < 6.0
+        finally:
+            alone.close()

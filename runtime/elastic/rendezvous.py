@@ -18,8 +18,9 @@ Two stores. The default (`--rdzv-backend tcp`) is a TCPStore hosted by the first
 which leads for the whole run: zero set-up, but a single point of failure. When the leader's host is
 lost, the store goes with it and the other supervisors stop their workers and end with an error that
 says so. With `--rdzv-backend etcd` the store is an etcd cluster (runtime.elastic.etcd) and the leader
-is elected: when it is lost, another node takes the office (`campaign`), reads what its predecessor
-left (`load_state`), and the run goes on; decisions are written only by the office's holder.
+is elected (candidates in --nodes order): when it is lost, the next node takes the office
+(`campaign`), reads what its predecessor left (`load_state`), and the run goes on; decisions are
+written only by the office's holder.
 
 Each round's torchrun and workers use a store of their own, hosted by the supervisor of the plan's
 first node on its --host (`host_round_store`, announced under `r/round-store`).
@@ -88,6 +89,7 @@ class Rendezvous:
         self.progress: dict = {}  # this node's workers' progress, published with each heartbeat
         self._peers = {n: _Peer() for n in nodes}
         self._observed_at = 0.0
+        self._started = time.monotonic()
         self._leader: str | None = None
         self._leader_read_at = -1.0
         self._office: str | None = None  # the envelope of this node's `leader` key, while it leads
@@ -180,6 +182,19 @@ class Rendezvous:
             self._leader_read_at = -1.0
         return self.is_leader
 
+    def _my_turn(self) -> bool:
+        """Whether this node may run for the vacant office: the nodes are candidates in --nodes
+        order, so the first node leads from the start and the next living one succeeds it (etcd's
+        transaction alone keeps two from holding it; the order only makes the outcome predictable).
+        A node before this one that was never seen stands aside after a lease from this one's start."""
+        now = time.monotonic()
+        for n in self.nodes[: self.nodes.index(self.node)]:
+            peer = self._peers[n]
+            never_seen = peer.seen_at is None and now - self._started > self.lease_s
+            if not (never_seen or n in self.lost()):
+                return False
+        return True
+
     def save_state(self, state: dict) -> None:
         """What the leader must remember between rounds, for a successor to pick up."""
         self._guarded_put("leader/state", state)
@@ -228,7 +243,7 @@ class Rendezvous:
                     raise ElastorError(
                         f"The leader {leader} was lost while this node waited for its decision."
                     )
-                if self.campaign():
+                if self._my_turn() and self.campaign():
                     return None
             if time.monotonic() > deadline:
                 raise ElastorError(
