@@ -114,6 +114,9 @@ def test_plan_matches_single_process(name, tmp_path):
     check_parity(plan, tmp_path)
 
 
+# About 35 s, so -m slow (make test's budget); tests/test_checkpoint_resume.py resumes under another
+# plan by default.
+@pytest.mark.slow
 def test_state_saved_under_one_plan_resumes_under_another(tmp_path):
     """The checkpoint contract of runtime/state.py: pieces saved under plan A after step 4 (two
     pipelines, TP 2 and 1), assembled to full tensors and cut to plan B's boxes (TP 3 feeding TP 2,
