@@ -6,7 +6,8 @@ of each GPU's shard to host memory) and becomes durable `ckpt_background_s` late
 and writes in the background); a failure before then loses it.
 
 The defaults, each an order of magnitude to be replaced by measurements (`--costs costs.json` with
-any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks measure them):
+any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks measure them, and
+`elastor run` writes what it measured as `<metrics stem>-costs.json`, runtime.elastic.report):
 - detect_s 10: the control plane of the Elastor paper (heartbeats every 5 s, a 10 s timeout). A job
   that waits for a NCCL watchdog instead detects failures in minutes.
 - plan_s 1: the solver's re-planning target (re-planning <= 1 s; README, Solver).

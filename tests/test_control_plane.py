@@ -20,7 +20,7 @@ from runtime.elastic import faults, progress
 from runtime.elastic.faults import Fault
 from runtime.elastic.progress import HangWatch
 from runtime.elastic.rendezvous import NotLeader, Rendezvous, etcd_rendezvous, tcp_rendezvous
-from runtime.elastic.report import recoveries
+from runtime.elastic.report import measured_costs, recoveries
 from runtime.elastic.store import SignedStore, host_store, read_token, write_token
 
 TOKEN = b"a-shared-secret-of-the-job"
@@ -232,6 +232,10 @@ def test_a_failure_the_supervisors_found_is_timed_from_when_it_happened():
         {"event": "resumed", "time_s": 21.0, "step": 0},
     ]
     (found,) = recoveries(records)
+    costs = measured_costs([*records, {"step": 2, "loss": 1.0, "ckpt_stall_s": 0.3, "time_s": 22.0}])
+    assert costs == pytest.approx(
+        {"detect_s": 4.0, "plan_s": 0.2, "restart_s": 5.8, "reshard_load_s": 1.0, "ckpt_stall_s": 0.3}
+    )
     assert found.phases_s["detect"] == pytest.approx(4.0)
     assert found.phases_s["rendezvous"] == pytest.approx(0.8)
     assert found.total_s == pytest.approx(11.0)

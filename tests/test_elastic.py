@@ -15,6 +15,7 @@ from dist_helpers import elastor_run, launch
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile, Plan
 from costmodel.jsonio import read_json, write_json
+from goodput.costs import RecoveryCosts
 from runtime.checkpoint import checkpoint_meta
 from runtime.compare import compare_runs, full_state
 from runtime.elastic.report import read_metrics, recoveries
@@ -137,6 +138,11 @@ def test_failure_and_recovery_match_an_uninterrupted_run(tmp_path, profile_path)
     assert [r.kind for r in found] == ["failure", "scale-up"]
     assert found[0].phases_s["plan"] <= 1.0  # re-planning takes at most a second of the recovery
     assert "failure" in done.stdout and "scale-up" in done.stdout  # the breakdown table is printed
+    # The measured costs, in the file `elastor simulate --costs` reads.
+    costs = read_json(tmp_path / "metrics-costs.json", "costs")
+    assert costs["detect_s"] == pytest.approx(found[0].phases_s["detect"])
+    assert costs["reshard_load_s"] == pytest.approx(found[0].phases_s["load"])
+    assert RecoveryCosts().updated(costs, "measured").ckpt_background_s == costs["ckpt_background_s"] > 0
     _assert_matches_reference(tmp_path, records, steps)
 
 

@@ -301,7 +301,15 @@ def _train_args(args) -> list[str]:
 
 
 def _print_report(metrics: Path) -> None:
-    from runtime.elastic.report import format_recoveries, read_metrics, recoveries
+    """The recovery breakdown, and the measured costs beside the metrics as `<stem>-costs.json`,
+    the file `elastor simulate --costs` reads."""
+    from costmodel.jsonio import write_json
+    from runtime.elastic.report import format_recoveries, measured_costs, read_metrics, recoveries
 
     if metrics.is_file():
-        print(format_recoveries(recoveries(read_metrics(metrics))))
+        records = read_metrics(metrics)
+        print(format_recoveries(recoveries(records)))
+        if costs := measured_costs(records):
+            out = metrics.with_name(f"{metrics.stem}-costs.json")
+            write_json(out, costs)
+            print(f"measured costs for `elastor simulate --costs`: {out}")

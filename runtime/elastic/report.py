@@ -190,3 +190,30 @@ def format_recoveries(found: list[Recovery]) -> str:
             )
         )
     return format_table(rows)
+
+
+def measured_costs(records: list[dict[str, Any]]) -> dict[str, float]:
+    """What this run measured of the costs `elastor simulate --costs` reads (goodput.costs), medians
+    over its failure recoveries and checkpoints; fields with nothing measured are left out:
+        detect_s          = detect
+        plan_s            = plan (the solver)
+        restart_s         = rendezvous + restart + first step (from the decision to training again)
+        reshard_load_s    = load (every recovery loads into a new plan)
+        ckpt_stall_s      = the steps' `ckpt_stall_s` where a save blocked them
+        ckpt_background_s = `checkpoint_saved`'s save_s (from the snapshot to the commit)
+    """
+    failures = [r for r in recoveries(records) if r.kind == "failure"]
+    costs: dict[str, float] = {}
+    if failures:
+        ph = [r.phases_s for r in failures]
+        costs["detect_s"] = statistics.median(p["detect"] for p in ph)
+        costs["plan_s"] = statistics.median(p["plan"] for p in ph)
+        costs["restart_s"] = statistics.median(p["rendezvous"] + p["restart"] + p["first step"] for p in ph)
+        costs["reshard_load_s"] = statistics.median(p["load"] for p in ph)
+    stalls = [r["ckpt_stall_s"] for r in records if not r.get("event") and r.get("ckpt_stall_s", 0) > 0]
+    if stalls:
+        costs["ckpt_stall_s"] = statistics.median(stalls)
+    saves = [r["save_s"] for r in records if r.get("event") == "checkpoint_saved" and "save_s" in r]
+    if saves:
+        costs["ckpt_background_s"] = statistics.median(saves)
+    return {k: max(0.0, v) for k, v in costs.items()}
