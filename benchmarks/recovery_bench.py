@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from costmodel.jsonio import write_json  # noqa: E402
 from costmodel.table import format_table  # noqa: E402
+from runtime.elastic.launch import free_port  # noqa: E402
 from runtime.elastic.report import read_metrics, recoveries  # noqa: E402
 
 PROFILE = REPO / "profiles" / "gpt-tiny-cpu.json"
@@ -40,16 +41,10 @@ LEASE_S, HANG_TIMEOUT_S = 5.0, 10.0
 RUN_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _etcd(folder: Path):
     """A one-member etcd on loopback; yields HOST:PORT."""
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     proc = subprocess.Popen(
         [
             "etcd",

@@ -1,6 +1,8 @@
 """Processes seen through /proc (Linux): a process tree, command lines, and who is still alive."""
 
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -58,3 +60,13 @@ def marked(mark: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def end_launch(launcher, mark: str) -> None:
+    """SIGKILL `launcher` if it still runs, and every process whose environment carries `mark`."""
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.wait()
+    for pid in marked(mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

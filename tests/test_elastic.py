@@ -52,8 +52,9 @@ def profile_path(tmp_path_factory) -> Path:
     return _profile(tmp_path_factory.mktemp("profile") / "profile.json")
 
 
-def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
-    command = elastor_run(
+def run_command(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str) -> list[str]:
+    """`elastor run` of these tests: the global batch and checkpoint interval above."""
+    return elastor_run(
         tmp,
         f"--ckpt-every={CKPT_EVERY}",
         *flags,
@@ -62,7 +63,10 @@ def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
         profile=profile,
         global_batch_size=GLOBAL_BATCH,
     )
-    return launch(command, timeout=RUN_TIMEOUT_S)
+
+
+def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
+    return launch(run_command(tmp, profile, cluster, steps, *flags), timeout=RUN_TIMEOUT_S)
 
 
 def _reference(tmp: Path, records, steps: int) -> Path:

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import REPO, elastor_run, run_env
+from dist_helpers import REPO, run_env
 from etcd_helpers import etcd_server, needs_etcd
-from proc_helpers import MARK, children, cmdline, descendants, gone_within, marked
-from test_elastic import CKPT_EVERY, GLOBAL_BATCH, RUN_TIMEOUT_S, _assert_matches_reference, _profile
+from proc_helpers import MARK, children, cmdline, descendants, end_launch, gone_within, marked
+from test_elastic import RUN_TIMEOUT_S, _assert_matches_reference, _profile, run_command
 
 from costmodel import Plan
 from runtime.elastic.lifeline import ORPHAN_BOUND_S
@@ -42,15 +42,7 @@ class _Run:
 
     def __init__(self, tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
         self.tmp, self.mark, self.metrics = tmp, os.urandom(8).hex(), tmp / "metrics.jsonl"
-        command = elastor_run(
-            tmp,
-            f"--ckpt-every={CKPT_EVERY}",
-            *flags,
-            cluster=cluster,
-            steps=steps,
-            profile=profile,
-            global_batch_size=GLOBAL_BATCH,
-        )
+        command = run_command(tmp, profile, cluster, steps, *flags)
         self.log = open(tmp / "launcher.log", "w")  # noqa: SIM115 - closed in __exit__
         self.launcher = subprocess.Popen(
             command, cwd=REPO, env={**run_env(), MARK: self.mark}, stdout=self.log, stderr=subprocess.STDOUT
@@ -60,12 +52,7 @@ class _Run:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.launcher.poll() is None:
-            self.launcher.kill()
-        self.launcher.wait()
-        for pid in marked(self.mark):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        end_launch(self.launcher, self.mark)
         self.log.close()
 
     def output(self) -> str:

@@ -5,7 +5,6 @@ train, collects every descendant of the launcher from /proc, then kills one proc
 rest must be gone within the documented bound (lifeline.ORPHAN_BOUND_S), never left training.
 """
 
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import REPO, elastor_run, run_env
-from proc_helpers import MARK, children, cmdline, descendants, gone_within, marked
+from proc_helpers import MARK, children, cmdline, descendants, end_launch, gone_within
 
 from runtime.elastic.lifeline import ORPHAN_BOUND_S, SUPERVISOR_STOP_S
 
@@ -87,12 +86,7 @@ class _run:
         return self.launcher, tree
 
     def __exit__(self, *exc) -> None:
-        if self.launcher.poll() is None:
-            self.launcher.kill()
-        self.launcher.wait()
-        for pid in marked(self.mark):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        end_launch(self.launcher, self.mark)
 
 
 def _trained_a_step(metrics: Path) -> bool:

@@ -22,6 +22,7 @@ endpoints may be given: a request that cannot reach one tries the next.
 
 import base64
 import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -127,6 +128,13 @@ class EtcdStore:
     def fetch(self, key: str) -> bytes | None:
         values = self._call("get", self.prefix + key)
         return values[0] if values else None
+
+    def fetch_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The values of those of `keys` that exist, in one range request over their common prefix."""
+        prefix = self.prefix + os.path.commonprefix(keys)  # noqa: RUF071 - etcd ranges over characters
+        found = self._call("get_prefix", prefix)
+        values = {meta["key"].decode()[len(self.prefix) :]: value for value, meta in found}
+        return {k: values[k] for k in keys if k in values}
 
     def create(self, key: str, value: str, lease=None) -> bool:
         """Write `key` if it does not exist; whether it was written."""

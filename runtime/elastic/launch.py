@@ -5,7 +5,8 @@ Each supervisor is exactly what a node of a real cluster runs (`elastor run --no
 --rdzv-endpoint HOST:PORT --token-file F`), given its node's GPUs; here they all rendezvous on
 loopback, with a token the launcher makes for the run, and their workers run on the CPU, one process
 per simulated GPU. The launcher starts them, forwards SIGTERM and Ctrl-C to them and waits for them,
-and returns the leader's exit code; the supervisors die with it (runtime.elastic.lifeline).
+and returns the run's exit code (the leader's; on etcd, where any node may lead last, the
+survivors'); the supervisors die with it (runtime.elastic.lifeline).
 """
 
 import contextlib

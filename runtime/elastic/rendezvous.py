@@ -1,7 +1,7 @@
-"""The supervisors' rendezvous: where rounds are agreed, over a store the leader (the first node) hosts.
+"""The supervisors' rendezvous: where rounds are agreed, over a store every supervisor reaches.
 
 A round is one torchrun job on a fixed set of devices. For round r each node's supervisor publishes
-its healthy GPUs and its address (`r/health/<node>`); the leader waits for them until every node has
+its healthy GPUs (`r/health/<node>`); the leader waits for them until every node has
 reported or is lost, or the round's deadline (`--round-deadline-s`) has passed, solves the plan for
 those that reported (the round's members) and publishes the decision (`r/decision`: the plan, the
 step to stop at, or an error, or "done"); after the job each supervisor publishes its exit code
@@ -54,7 +54,7 @@ class _Peer:
 
 
 class StoreLost(ElastorError):
-    """The store went away: the leader's process, which hosts it, is gone."""
+    """The store went away: the leader's process, which hosts the embedded one, or the etcd cluster."""
 
 
 class NotLeader(ElastorError):
@@ -130,8 +130,8 @@ class Rendezvous:
         if now - self._observed_at < OBSERVE_S:
             return
         self._observed_at = now
-        for n in self.nodes:
-            beat = self._call(self.store.get, f"hb/{n}")
+        beats = self._get_each("hb/{}", self.nodes)
+        for n, beat in beats.items():
             peer = self._peers[n]
             if isinstance(beat, dict) and isinstance(beat.get("seq"), int) and beat["seq"] > peer.seq:
                 peer.seq, peer.seen_at, peer.seen_wall = beat["seq"], now, time.time()
@@ -204,8 +204,8 @@ class Rendezvous:
         return state if isinstance(state, dict) else None
 
     # ---- health and decision --------------------------------------------------------------------
-    def report_health(self, round_: int, gpus: list[int], host: str) -> None:
-        self._put(f"{round_}/health/{self.node}", {"gpus": gpus, "host": host})
+    def report_health(self, round_: int, gpus: list[int]) -> None:
+        self._put(f"{round_}/health/{self.node}", {"gpus": gpus})
 
     def health(self, round_: int) -> dict[str, dict[str, Any]]:
         """The round's members: every node that reported its health before the others were either
@@ -213,9 +213,8 @@ class Rendezvous:
         out (they learn of it from the decision) and may join the next."""
         deadline = time.monotonic() + self.deadline_s
         while True:
-            reported = {
-                n: h for n in self.nodes if isinstance(h := self._get_now(f"{round_}/health/{n}"), dict)
-            }
+            found = self._get_each(f"{round_}/health/{{}}", self.nodes)
+            reported = {n: h for n, h in found.items() if isinstance(h, dict)}
             pending = [n for n in self.nodes if n not in reported and n not in self.lost()]
             if not pending or time.monotonic() > deadline:
                 if pending:
@@ -287,7 +286,8 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         others = [n for n in self.nodes if n != self.node]
         while time.monotonic() < deadline:
-            if all(n in self.lost() or self._get_now(f"{round_}/read/{n}") for n in others):
+            read, lost = self._get_each(f"{round_}/read/{{}}", others), self.lost()
+            if all(n in lost or read[n] for n in others):
                 break
             time.sleep(POLL_S)
         if self.elects:  # etcd outlives the run: leave nothing of it behind
@@ -301,14 +301,12 @@ class Rendezvous:
     def peer_failed(self, round_: int, nodes: list[str]) -> str | None:
         """Why this node should stop its round's workers, or None: a node of `nodes` reported a
         non-zero exit, or is lost."""
-        lost = self.lost()
-        for n in nodes:
-            if n == self.node:
-                continue
+        others = [n for n in nodes if n != self.node]
+        lost, done = self.lost(), self._get_each(f"{round_}/exit/{{}}", others)
+        for n in others:
             if n in lost:
                 return f"node {n} was lost"
-            done = self._get_now(f"{round_}/exit/{n}")
-            if isinstance(done, dict) and done.get("code") != 0:
+            if isinstance(done[n], dict) and done[n].get("code") != 0:
                 return f"the workers of node {n} failed"
         return None
 
@@ -316,13 +314,12 @@ class Rendezvous:
         """Every node of `nodes`'s exit report; a node lost before reporting gets one written for it
         (code -9, `lost`, and since when: the time its heartbeat last moved)."""
         found: dict[str, dict[str, Any]] = {}
-        while len(found) < len(nodes):
-            lost = self.lost()
-            for n in nodes:
-                if n in found:
-                    continue
-                if isinstance(done := self._get_now(f"{round_}/exit/{n}"), dict):
-                    found[n] = done
+        while True:
+            pending = [n for n in nodes if n not in found]
+            lost, done = self.lost(), self._get_each(f"{round_}/exit/{{}}", pending)
+            for n in pending:
+                if isinstance(done[n], dict):
+                    found[n] = done[n]
                 elif n in lost:
                     found[n] = {
                         "code": -9,
@@ -332,13 +329,14 @@ class Rendezvous:
                         "error": f"node {n} was lost: its heartbeat stopped for more than --lease-s "
                         f"{self.lease_s:g}",
                     }
+            if len(found) == len(nodes):
+                return found
             time.sleep(POLL_S)
-        return found
 
     def round_over(self, round_: int, nodes: list[str]) -> bool:
         """Whether every node of `nodes` has reported its exit or is lost."""
-        lost = self.lost()
-        return all(n in lost or self._get_now(f"{round_}/exit/{n}") is not None for n in nodes)
+        lost, done = self.lost(), self._get_each(f"{round_}/exit/{{}}", nodes)
+        return all(n in lost or done[n] is not None for n in nodes)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _put(self, key: str, value: Any) -> None:
@@ -346,6 +344,12 @@ class Rendezvous:
 
     def _get_now(self, key: str) -> Any:
         return self._call(self.store.get, key)
+
+    def _get_each(self, pattern: str, nodes: list[str]) -> dict[str, Any]:
+        """`pattern.format(node)`'s value for each of `nodes`, by node (etcd: one request)."""
+        keys = [pattern.format(n) for n in nodes]
+        values = self._call(self.store.get_many, keys) if keys else {}
+        return {n: values[k] for n, k in zip(nodes, keys, strict=True)}
 
     def _guarded_put(self, key: str, value: Any) -> None:
         """Write as the leader: on etcd only while this node still holds the office."""

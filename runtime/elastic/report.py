@@ -54,10 +54,18 @@ def recoveries(records: list[dict[str, Any]]) -> list[Recovery]:
         event = rec.get("event")
         if event == "failure_injected":
             found += _failure(records, i, devices, rec["time_s"])
-        elif event == "failure_detected" and rec.get("failed_since_s") and not _injected(records, i):
+        elif (
+            event == "failure_detected"
+            and rec.get("failed_since_s")
+            and not _since_replanned(records, i, "failure_injected")
+        ):
             found += _failure(records, i, devices, rec["failed_since_s"])
         elif event == "replanned":
-            if devices is not None and rec["devices"] > devices and not _after_failure(records, i):
+            if (
+                devices is not None
+                and rec["devices"] > devices
+                and not _since_replanned(records, i, "failure_detected")
+            ):
                 found += _scale_up(records, i, devices)
             devices = rec["devices"]
     return found
@@ -67,24 +75,15 @@ def _next(records, start: int, event: str) -> int | None:
     return next((j for j in range(start, len(records)) if records[j].get("event") == event), None)
 
 
-def _after_failure(records, i: int) -> bool:
-    """Whether the replanning at `i` answers a failure (a failure_detected since the last replanning)."""
+def _since_replanned(records, i: int, event: str) -> bool:
+    """Whether `event` happened between the last replanning before `i` and `i`: for a replanning,
+    whether it answers a failure (failure_detected); for a detected failure, whether it was injected
+    (failure_injected)."""
     for j in range(i - 1, -1, -1):
-        event = records[j].get("event")
-        if event == "failure_detected":
+        seen = records[j].get("event")
+        if seen == event:
             return True
-        if event == "replanned":
-            return False
-    return False
-
-
-def _injected(records, i: int) -> bool:
-    """Whether the failure detected at `i` was injected (a failure_injected since the last replanning)."""
-    for j in range(i - 1, -1, -1):
-        event = records[j].get("event")
-        if event == "failure_injected":
-            return True
-        if event == "replanned":
+        if seen == "replanned":
             return False
     return False
 

@@ -121,7 +121,17 @@ class SignedStore:
         return self.raw.put_if(key, self._envelope(key, value), guard_key, guard_envelope)
 
     def get(self, key: str) -> Any:
-        data = self._fetch(key)
+        return self._verified(key, self._fetch(key))
+
+    def get_many(self, keys: list[str]) -> dict[str, Any]:
+        """`get` of each of `keys` (etcd: in one request, `fetch_many`)."""
+        if hasattr(self.raw, "fetch_many"):
+            found = self.raw.fetch_many(keys)
+            return {k: self._verified(k, found.get(k)) for k in keys}
+        return {k: self.get(k) for k in keys}
+
+    def _verified(self, key: str, data: bytes | None) -> Any:
+        """The value `data` of `key` carries, or None if there is none or it does not verify."""
         if data is None:
             return None
         try:

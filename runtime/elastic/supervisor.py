@@ -1,6 +1,7 @@
 """One node's supervisor: report health, agree on a plan, run this node's share under torchrun, watch it.
 
-Every node runs one (`elastor run --node NAME ...`); the first node of `--nodes` also leads. A round:
+Every node runs one (`elastor run --node NAME ...`); one of them also leads (the first node of
+`--nodes`; on etcd the first living one, runtime.elastic.rendezvous). A round:
 
 1. each supervisor reports its healthy GPUs (CUDA: every GPU is probed at once, each in a process of
    its own that sees only that GPU, with a bounded wait; simulated nodes: the GPUs they were given,
@@ -10,12 +11,12 @@ Every node runs one (`elastor run --node NAME ...`); the first node of `--nodes`
    for every node since only the leader solves), picks the step to stop at (a checkpoint boundary
    where a failed GPU comes back) and publishes the decision; an infeasible cluster ends the run
    with one sentence, the checkpoints untouched;
-3. every node in the plan starts `torchrun`, a client of the leader's store for its own rendezvous,
-   running `elastor train`, which resumes from the newest complete checkpoint, resharding it to the
-   new plan. The workers take their ranks from the plan (their node's place in the plan's node order,
-   so global ranks follow the plan's device order) and their store is hosted by rank 0 on the plan's
-   first node, port rendezvous port + 1 + round, on that node's --host only; on CUDA each worker sees
-   only its node's GPUs of the plan, and PyTorch's NCCL flight recorder dumps beside the round's log;
+3. every node in the plan starts `torchrun` running `elastor train`, which resumes from the newest
+   complete checkpoint, resharding it to the new plan. The supervisor of the plan's first node hosts
+   the round's store on its --host (a free port, announced on the rendezvous): torchrun's own
+   rendezvous and the workers' process group use it. The workers take their ranks from the plan (so
+   global ranks follow the plan's device order); on CUDA each worker sees only its node's GPUs of the
+   plan, and PyTorch's NCCL flight recorder dumps beside the round's log;
 4. a node whose workers die reports it, with the error it found in their output; a node whose worker
    hangs (runtime.elastic.progress: no progress for --hang-timeout-s) kills its workers at once and
    reports the hung GPU, which the plans leave out from then on; a node that is lost (its heartbeat
@@ -61,6 +62,9 @@ from runtime.elastic.rendezvous import NotLeader, Rendezvous
 from runtime.metrics import MetricsWriter
 
 POLL_S = 0.05
+# How often a running round looks at its peers' exits and heartbeats and at its workers' progress:
+# a store read per peer (etcd: one request) and a file per worker each time.
+LOOK_S = 0.2
 PROBE_TIMEOUT_S = 60.0  # a GPU whose probe has not passed by then is left out
 # The NCCL flight recorder (torch.distributed's trace of recent collectives, dumped when a collective
 # times out): entries kept per process, on CUDA unless the environment already says otherwise.
@@ -161,7 +165,7 @@ class NodeSupervisor:
     def _rounds(self) -> int:
         round_ = 0
         while True:
-            self.rdzv.report_health(round_, self.probe(), self.host)
+            self.rdzv.report_health(round_, self.probe())
             decision = self._agree(round_)
             if decision.get("error") or decision.get("done"):
                 self.rdzv.finish(round_)
@@ -295,8 +299,6 @@ class NodeSupervisor:
             "plan": plan.to_json(),
             "stop_at": st.stop_at,
             "failures": faults.encode(pending),
-            "master_addr": health[plan.nodes()[0]]["host"],
-            "members": sorted(health),
         }
 
     def _dead(self) -> set[str]:
@@ -379,16 +381,20 @@ class NodeSupervisor:
             progress_dir.mkdir()
             with open(log, "w") as out:
                 worker = subprocess.Popen(
-                    self._torchrun(round_, plan, plan_path, decision, address),
-                    env=self._worker_env(round_, plan, decision, progress_dir, address),
+                    self._torchrun(round_, plan, on_node, plan_path, decision, address),
+                    env=self._worker_env(round_, plan, on_node, decision, progress_dir, address),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             watch = progress.HangWatch(plan.devices, on_node, cfg.hang_timeout_s)
-            stopped, verdict = False, None
+            stopped, verdict, looked_at = False, None, 0.0
             try:
                 while worker.poll() is None:
+                    time.sleep(POLL_S)
+                    if time.monotonic() - looked_at < LOOK_S:
+                        continue  # the workers' own exit is noticed every POLL_S, the rest every LOOK_S
+                    looked_at = time.monotonic()
                     if self.rdzv.peer_failed(round_, plan.nodes()):
                         _stop(worker)
                         stopped = True
@@ -397,7 +403,6 @@ class NodeSupervisor:
                     if verdict := watch.hung({**_remote(self.rdzv.peer_progress()), **self.rdzv.progress}):
                         _kill(worker)  # a hung worker may not answer SIGTERM; nothing of the round is kept
                         break
-                    time.sleep(POLL_S)
                 code = worker.wait()
             finally:
                 self.rdzv.progress = {}
@@ -418,11 +423,12 @@ class NodeSupervisor:
         _say(f"workers on {self.node} exited with {code}; their output is in {log}")
         return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
 
-    def _torchrun(self, round_: int, plan: Plan, plan_path: Path, decision: dict, store: str) -> list[str]:
-        """torchrun for this node's share of the round: a client of the round's store for its own
-        rendezvous (which only gathers the round's nodes; the workers' ranks come from the plan)."""
+    def _torchrun(
+        self, round_: int, plan: Plan, on_node: list[str], plan_path: Path, decision: dict, store: str
+    ) -> list[str]:
+        """torchrun for this node's devices `on_node` of the round: a client of the round's store for
+        its own rendezvous (which only gathers the round's nodes; the workers' ranks come from the plan)."""
         cfg = self.config
-        on_node = [d for d in plan.devices if d.split(":")[0] == self.node]
         return [
             *_UNDER_LIFELINE,
             "torch.distributed.run",
@@ -450,10 +456,9 @@ class NodeSupervisor:
         ]
 
     def _worker_env(
-        self, round_: int, plan: Plan, decision: dict, progress_dir: Path, store: str
+        self, round_: int, plan: Plan, on_node: list[str], decision: dict, progress_dir: Path, store: str
     ) -> dict[str, str]:
         cfg = self.config
-        first_rank = next(i for i, d in enumerate(plan.devices) if d.split(":")[0] == self.node)
         env = {
             **os.environ,
             faults.ENV_FAILURES: decision.get("failures", ""),
@@ -461,15 +466,15 @@ class NodeSupervisor:
             faults.ENV_SUPERVISOR: str(os.getpid()),
             ENV_JOB: decision.get("ckpt_job", ""),
             ENV_MASTER: store,
-            ENV_FIRST_RANK: str(first_rank),
+            ENV_FIRST_RANK: str(plan.devices.index(on_node[0])),
             progress.ENV_DIR: str(progress_dir),
             # torchrun's rank-0 agent would otherwise host a second store, on every interface.
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
-        if decision["master_addr"].startswith("127.") and sys.platform.startswith("linux"):
+        if store.startswith("127.") and sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a simulated cluster talks over loopback only
         if cfg.device == "cuda":
-            gpus = ",".join(d.split(":")[1] for d in plan.devices if d.split(":")[0] == self.node)
+            gpus = ",".join(d.split(":")[1] for d in on_node)
             env["CUDA_VISIBLE_DEVICES"] = env[ENV_VISIBLE_GPUS] = gpus
             env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(NCCL_TRACE_ENTRIES))
             env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
