@@ -55,7 +55,7 @@ from costmodel import PRESETS, ClusterSpec, ModelConfig, ModelProfile, Plan
 from costmodel.estimate import CostModel
 from costmodel.jsonio import read_json, write_json
 from costmodel.table import format_table
-from runtime.elastic.launch import run_local_torchrun
+from runtime.elastic.launch import failure_excerpt, run_local_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 MAPE_TARGET, SPEARMAN_TARGET = 0.15, 0.8
@@ -167,7 +167,7 @@ def _torchrun(nproc: int, args: list[str], timeout: float) -> None:
         nproc, [str(Path(__file__).resolve()), *args], timeout_s=timeout, threads=TRAIN_THREADS, cwd=str(REPO)
     )
     if code != 0:
-        raise WorkerFailed(f"a torchrun worker failed (exit {code}):\n{out[-3000:]}")
+        raise WorkerFailed(f"a torchrun worker failed (exit {code}):\n{failure_excerpt(out)}")
 
 
 # ---- the worker (runs under torchrun) -----------------------------------------------------------

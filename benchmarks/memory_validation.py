@@ -34,7 +34,7 @@ from costmodel.config import PRESETS, ModelConfig
 from costmodel.jsonio import write_json
 from costmodel.table import format_table
 from profiler.memory import measured_activation_bytes, measured_stage_activation_bytes
-from runtime.elastic.launch import run_local_torchrun
+from runtime.elastic.launch import failure_excerpt, run_local_torchrun
 
 UNDER_PREDICTION_LIMIT = 0.02
 
@@ -186,7 +186,7 @@ def validate_runtime(plans=RUNTIME_PLANS, *, steps: int = 2) -> list[dict]:
                 nproc, [*args, "--metrics", str(metrics), "--device", "cpu"], timeout_s=300
             )
             if code != 0:
-                raise RuntimeError(f"{name}: elastor train failed:\n{out[-3000:]}")
+                raise RuntimeError(f"{name}: elastor train failed:\n{failure_excerpt(out)}")
             event = next(
                 r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "memory"
             )

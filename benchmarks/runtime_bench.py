@@ -53,7 +53,7 @@ from costmodel import PRESETS, ModelConfig, Plan
 from costmodel.jsonio import write_json
 from costmodel.layout import device_pieces
 from costmodel.table import format_table
-from runtime.elastic.launch import run_local_torchrun
+from runtime.elastic.launch import failure_excerpt, run_local_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -168,7 +168,7 @@ def _torchrun(nproc: int, args: list[str], timeout: float) -> None:
     script = str(Path(__file__).resolve())
     code, out = run_local_torchrun(nproc, [script, *args], timeout_s=timeout, cwd=str(REPO))
     if code != 0:
-        raise SystemExit(f"runtime_bench: a torchrun worker failed (exit {code}):\n{out[-3000:]}")
+        raise SystemExit(f"runtime_bench: a torchrun worker failed (exit {code}):\n{failure_excerpt(out)}")
 
 
 # ---- workers (run under torchrun) ---------------------------------------------------------------

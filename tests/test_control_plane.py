@@ -18,6 +18,7 @@ from etcd_helpers import OPENSSL, etcd_cluster, etcd_server, make_certs, needs_e
 from costmodel.errors import ElastorError
 from runtime.elastic import faults, progress
 from runtime.elastic.faults import Fault
+from runtime.elastic.launch import failure_excerpt
 from runtime.elastic.progress import HangWatch
 from runtime.elastic.rendezvous import HEARTBEAT_S, NotLeader, Rendezvous, etcd_rendezvous, tcp_rendezvous
 from runtime.elastic.report import measured_costs, recoveries
@@ -443,3 +444,13 @@ def test_on_etcd_the_nodes_run_for_the_office_in_their_order(tmp_path):
             assert 3.0 <= time.monotonic() - started < 6.0
         finally:
             alone.close()
+
+
+def test_a_failed_torchrun_is_reported_by_the_workers_last_words_and_torchruns_summary():
+    workers = "".join(f"rank 2 line {i}\n" for i in range(200)) + "terminate called: enforce failed\n"
+    stopping = "W1202 api.py:1028] Sending process 7 closing signal SIGTERM\n"
+    summary = "".join(f"summary {i}\n" for i in range(200)) + "Root Cause: rank 2 SIGABRT\n"
+    excerpt = failure_excerpt(workers + stopping + summary, limit=600)
+    assert "terminate called: enforce failed" in excerpt and excerpt.endswith("rank 2 SIGABRT\n")
+    assert "closing signal" not in excerpt and len(excerpt) <= 620
+    assert failure_excerpt("no summary at all", limit=5) == "t all"  # not torchrun's: its tail

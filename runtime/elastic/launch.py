@@ -74,6 +74,16 @@ def run_local_torchrun(
     return proc.returncode, out
 
 
+def failure_excerpt(out: str, limit: int = 3000) -> str:
+    """What a failed `run_local_torchrun` printed that says why: the workers' last lines before torchrun
+    began stopping the others (its "closing signal" lines), then torchrun's own summary."""
+    cut = out.find("closing signal")
+    if cut < 0:
+        return out[-limit:]
+    workers = out[: out.rfind("\n", 0, cut) + 1]
+    return f"{workers[-(limit * 2 // 3) :]}[...]\n{out[-(limit // 3) :]}"
+
+
 def launch_simulated(cluster: ClusterSpec, supervisor_args: list[str], *, etcd: str | None = None) -> int:
     """Start one `elastor run --node ...` per node of `cluster` and wait for all of them.
 
