@@ -3,8 +3,15 @@
 Devices are named `"<node>:<gpu>"` (`"n1:3"`). A node's healthy GPUs may be any subset of 0..k-1:
 that is the case Elastor exists for. The short form `"8,8,7"` means nodes n0, n1, n2 with GPUs
 0..7, 0..7 and 0..6; it takes the device kind and links from the profile it is planned against.
+
+A cluster also knows how many GPUs a node has when all are healthy, `gpus_per_node` (the nominal
+count): a node with fewer is degraded. The node-drop baseline keeps only whole nodes by it, so it is
+stated rather than guessed from what is healthy now: a cluster file may give it (otherwise it is the
+highest GPU id any node lists, plus one), and the short form takes the largest count given, or
+`--gpus-per-node` (`--cluster 7,7 --gpus-per-node 8` is two nodes that each lost a GPU).
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +115,8 @@ class ClusterSpec:
     device: DeviceSpec
     nodes: tuple[NodeSpec, ...]
     links: LinkSpec
+    # GPUs of a node when all are healthy; 0: not stated, so the highest GPU id listed, plus one
+    gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
         _check_counts([len(n.gpus) for n in self.nodes])
@@ -116,6 +125,19 @@ class ClusterSpec:
             raise ElastorError("The cluster names a node twice.")
         if not self.devices:
             raise ElastorError("The cluster has no healthy GPU.")
+        listed = self._highest_listed()
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", listed)
+        elif not is_integer(self.gpus_per_node, 1, MAX_GPUS_PER_NODE) or self.gpus_per_node < listed:
+            raise ElastorError(
+                f"The cluster's gpus_per_node must be a whole number of GPUs in 1..{MAX_GPUS_PER_NODE} "
+                f"and above every GPU id a node lists (the highest is {listed - 1}), "
+                f"not {shown(self.gpus_per_node)}."
+            )
+
+    def _highest_listed(self) -> int:
+        """The highest GPU id a node lists, plus one: `gpus_per_node` when not stated."""
+        return max((g + 1 for n in self.nodes for g in n.gpus), default=0)
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -142,30 +164,43 @@ class ClusterSpec:
             NodeSpec(name=n.name, gpus=tuple(g for g in n.gpus if f"{n.name}:{g}" not in failed))
             for n in self.nodes
         )
-        return ClusterSpec(device=self.device, nodes=nodes, links=self.links)
+        return dataclasses.replace(self, nodes=nodes)
+
+    def whole_nodes(self) -> "ClusterSpec | None":
+        """The cluster restricted to its nodes with all `gpus_per_node` GPUs healthy (None if none is)."""
+        nodes = tuple(n for n in self.nodes if len(n.gpus) == self.gpus_per_node)
+        if not nodes:
+            return None
+        return dataclasses.replace(self, nodes=nodes)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_counts(cls, counts: list[int], kind: str) -> "ClusterSpec":
-        """Nodes n0, n1, ... with GPUs 0..count-1 each, links and device from the kind's table."""
+    def from_counts(cls, counts: list[int], kind: str, gpus_per_node: int | None = None) -> "ClusterSpec":
+        """Nodes n0, n1, ... with GPUs 0..count-1 each, links and device from the kind's table; a node
+        has `gpus_per_node` GPUs when whole (default: the largest count)."""
         _check_counts(counts)
         hw = device_kind(kind)
         return cls(
             device=DeviceSpec(kind=hw.kind, memory_bytes=hw.memory_bytes, peak_flops=hw.peak_flops),
             nodes=tuple(NodeSpec(name=f"n{i}", gpus=tuple(range(c))) for i, c in enumerate(counts)),
             links=LinkSpec(intra_node_gbps=hw.intra_node_gbps, inter_node_gbps=hw.inter_node_gbps),
+            gpus_per_node=gpus_per_node or max(counts, default=0),
         )
 
     @classmethod
-    def parse(cls, spec: str, kind: str = "H100-80GB") -> "ClusterSpec":
-        """`"8,8,7"` (with the device `kind` of the profile) or the path of a cluster JSON file."""
+    def parse(cls, spec: str, kind: str = "H100-80GB", gpus_per_node: int | None = None) -> "ClusterSpec":
+        """`"8,8,7"` (with the device `kind` of the profile) or the path of a cluster JSON file;
+        `gpus_per_node`, when given, is the nominal count of either (it overrides the file's)."""
         if _SHORT_FORM.match(spec):
             counts = spec.split(",")
             if any(len(c.strip()) > 9 for c in counts):  # past every bound: no need to read it exactly
                 raise ElastorError(f"Cluster {shown(spec)} names a node of more GPUs than any node has.")
-            return cls.from_counts([int(c) for c in counts], kind)
+            return cls.from_counts([int(c) for c in counts], kind, gpus_per_node)
         if Path(spec).suffix == ".json" or Path(spec).is_file():
-            return cls.from_json(read_json(spec, "cluster"))
+            cluster = cls.from_json(read_json(spec, "cluster"))
+            if gpus_per_node is None:
+                return cluster
+            return dataclasses.replace(cluster, gpus_per_node=gpus_per_node)
         raise ElastorError(
             f"Cluster {shown(spec)} is neither healthy GPUs per node like 8,8,7 nor a cluster JSON file."
         )
@@ -185,6 +220,7 @@ class ClusterSpec:
                 "peak_flops": self.device.peak_flops,
             },
             "nodes": [{"name": n.name, "gpus": list(n.gpus)} for n in self.nodes],
+            **({"gpus_per_node": self.gpus_per_node} if self.gpus_per_node != self._highest_listed() else {}),
             "links": links,
         }
 
@@ -216,6 +252,7 @@ class ClusterSpec:
                 inter_node_gbps=links["inter_node_gbps"],
                 collectives=dict(links.get("collectives", {})),
             ),
+            gpus_per_node=data.get("gpus_per_node", 0),  # files written before it: from the GPU ids
         )
 
 

@@ -181,6 +181,7 @@ class SolverOracle:
             "profile": {k: v for k, v in self.profile.to_json().items() if k != "method"},
             "device": self.template.to_json()["device"],
             "links": self.template.to_json()["links"],
+            "gpus_per_node": self.template.gpus_per_node,  # which nodes node-drop (and Elastor) see as whole
             "global_batch_size": self.global_batch_size,
             "method": self.method,
             "time_limit_s": self.time_limit_s,
@@ -192,7 +193,12 @@ class SolverOracle:
     def cluster_for(self, sig: Signature) -> ClusterSpec:
         counts = expand(sig)
         base = ClusterSpec.from_counts(counts, self.template.device.kind)
-        return ClusterSpec(device=self.template.device, nodes=base.nodes, links=self.template.links)
+        return ClusterSpec(
+            device=self.template.device,
+            nodes=base.nodes,
+            links=self.template.links,
+            gpus_per_node=self.template.gpus_per_node,
+        )
 
     def __call__(self, sig: Signature) -> PlanPoint | None:
         if not sig:

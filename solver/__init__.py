@@ -61,7 +61,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from costmodel import ClusterSpec, NodeSpec, Plan
+from costmodel import ClusterSpec, Plan
 from costmodel.errors import ElastorError
 from costmodel.estimate import CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
@@ -301,11 +301,11 @@ def _solve_pass(
         outcome = _elastor(profile, cluster, gbs, sizes, time_limit_s, limits, mode, upper_bound_s, progress)
         plan = outcome.plan
     elif method == "node-drop":
-        healthy = fully_healthy(cluster)
+        healthy = cluster.whole_nodes()
         if healthy is None:
             raise ElastorError(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
-                f"has all {max(len(n.gpus) for n in cluster.nodes)} GPUs."
+                f"has all {cluster.gpus_per_node} GPUs (gpus_per_node)."
             )
         outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
         plan = outcome.plan
@@ -436,7 +436,7 @@ def _baseline_plans(
         for family in (baselines.uniform, baselines.pow2_greedy)
         for recompute in mode.modes
     ]
-    whole = fully_healthy(cluster)
+    whole = cluster.whole_nodes()
     if whole is not None and len(whole.nodes) < len([n for n in cluster.nodes if n.gpus]):
         # Clusters that differ only in their partial nodes drop to the same one: solve it once.
         key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
@@ -445,15 +445,6 @@ def _baseline_plans(
         )
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
     return [f for f in found if f]
-
-
-def fully_healthy(cluster: ClusterSpec) -> ClusterSpec | None:
-    """The cluster restricted to nodes with every GPU healthy (as many as the largest node has)."""
-    full = max(len(n.gpus) for n in cluster.nodes)
-    nodes = tuple(NodeSpec(name=n.name, gpus=n.gpus) for n in cluster.nodes if len(n.gpus) == full)
-    if not nodes or full == 0:
-        return None
-    return ClusterSpec(device=cluster.device, nodes=nodes, links=cluster.links)
 
 
 def _reason(profile, cluster, gbs, sizes, method) -> str:

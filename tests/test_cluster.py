@@ -119,6 +119,24 @@ def test_without_marks_devices_unhealthy():
     assert cluster.world_size == 8  # the original is unchanged
 
 
+def test_a_node_is_whole_by_its_nominal_count_not_by_the_largest_node_now():
+    assert ClusterSpec.parse("8,8,7").gpus_per_node == 8
+    assert ClusterSpec.parse("7,7").whole_nodes().short_form() == "7,7"  # the short form: largest count
+    assert ClusterSpec.parse("7,7", gpus_per_node=8).whole_nodes() is None
+    worn = ClusterSpec.parse("8,8").without({"n0:7", "n1:2"})  # every node lost one
+    assert worn.gpus_per_node == 8 and worn.whole_nodes() is None
+    data = cluster_json()
+    data["nodes"] = [{"name": "a", "gpus": [0, 1, 2, 3]}, {"name": "b", "gpus": [0, 1, 3]}]
+    assert ClusterSpec.from_json(data).gpus_per_node == 4  # a file without it: the highest id listed, + 1
+    assert [n.name for n in ClusterSpec.from_json(data).whole_nodes().nodes] == ["a"]
+    data["gpus_per_node"] = 8
+    cluster = ClusterSpec.from_json(data)
+    assert cluster.whole_nodes() is None and ClusterSpec.from_json(cluster.to_json()) == cluster
+    data["gpus_per_node"] = 3
+    with pytest.raises(ElastorError, match=r"gpus_per_node must be .*the highest is 3"):
+        ClusterSpec.from_json(data)
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 

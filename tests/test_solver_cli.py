@@ -41,6 +41,19 @@ def test_plan_compare_lists_every_method(tmp_path, capsys):
         assert f"\n{method} " in "\n" + table, method
 
 
+def test_node_drop_keeps_only_nodes_with_every_gpu_of_a_whole_node(tmp_path, capsys):
+    """`--cluster 7,7` planned all 14 GPUs as node-drop when a node counted as whole if it had as many
+    GPUs as the largest node now; with a nominal 8 GPUs per node neither node is whole."""
+    args = ["plan", "--profile", tiny_profile(tmp_path), "--cluster", "3,3", "--global-batch-size", "8"]
+    out = tmp_path / "p.json"
+    assert main([*args, "--method", "node-drop", "--out", str(out)]) == 0
+    assert len(Plan.from_json(json.loads(out.read_text())).devices) == 6
+    assert main([*args, "--gpus-per-node", "4", "--method", "node-drop", "--out", str(out)]) == 2
+    assert "no node of cluster 3,3 has all 4 GPUs" in capsys.readouterr().err
+    assert main([*args[:4], "4,3", *args[5:], "--method", "node-drop", "--out", str(out)]) == 0
+    assert {d.split(":")[0] for d in Plan.from_json(json.loads(out.read_text())).devices} == {"n0"}
+
+
 def test_plan_of_a_model_too_large_is_one_sentence_and_exit_2(tmp_path):
     path = tmp_path / "p70.json"
     profile = analytic_profile(

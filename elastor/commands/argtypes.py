@@ -66,3 +66,14 @@ STEPS = integer(0, MAX_STEPS)
 SOLVER_TIME_LIMIT_S = real(above=0.0, high=MAX_SOLVER_TIME_LIMIT_S)
 # What every --cluster help adds: the bounds costmodel.cluster checks.
 CLUSTER_BOUNDS = f"at most {MAX_CLUSTER_GPUS:,} GPUs, {MAX_GPUS_PER_NODE} per node"
+
+
+def add_gpus_per_node(p: argparse.ArgumentParser) -> None:
+    """`--gpus-per-node`: the GPUs of a whole node, for the commands that take `--cluster`."""
+    p.add_argument(
+        "--gpus-per-node",
+        type=integer(1, MAX_GPUS_PER_NODE),
+        help="GPUs of a node when all are healthy (default: the largest count of the short form, or the "
+        "cluster file's gpus_per_node); node-drop keeps only nodes with all of them, so "
+        "--cluster 7,7 --gpus-per-node 8 has no whole node",
+    )

@@ -7,7 +7,7 @@ from costmodel import ElastorError, Plan
 from costmodel.estimate import CostModel, Estimate
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
-from elastor.commands.argtypes import CLUSTER_BOUNDS
+from elastor.commands.argtypes import CLUSTER_BOUNDS, add_gpus_per_node
 from elastor.commands.plan import load_inputs
 
 GIB = 1 << 30
@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
     )
+    add_gpus_per_node(p)
     p.set_defaults(run=run)
 
 

@@ -12,7 +12,13 @@ from costmodel.jsonio import output_path, read_json, shown, write_json
 from costmodel.plan import MAX_GLOBAL_BATCH_SIZE, SHARDING
 from costmodel.table import format_table
 from elastor.commands import subcommand
-from elastor.commands.argtypes import CLUSTER_BOUNDS, GLOBAL_BATCH_SIZE, SOLVER_TIME_LIMIT_S, integer
+from elastor.commands.argtypes import (
+    CLUSTER_BOUNDS,
+    GLOBAL_BATCH_SIZE,
+    SOLVER_TIME_LIMIT_S,
+    add_gpus_per_node,
+    integer,
+)
 from solver.baselines import Grid
 
 TP = integer(1, MAX_GPUS_PER_NODE)  # a stage's devices sit on one node
@@ -35,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
     )
+    add_gpus_per_node(p)
     p.add_argument(
         "--global-batch-size",
         type=GLOBAL_BATCH_SIZE,
@@ -86,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_inputs(args: argparse.Namespace) -> tuple[ModelProfile, ClusterSpec]:
     """The profile, and the cluster (a short form takes the profile's device kind)."""
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    cluster = ClusterSpec.parse(args.cluster, profile.device_kind)
+    cluster = ClusterSpec.parse(args.cluster, profile.device_kind, args.gpus_per_node)
     return profile, of_kind(cluster, profile.device_kind, args.cluster)
 
 

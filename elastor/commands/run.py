@@ -9,7 +9,15 @@ from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.cluster import of_kind
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
-from elastor.commands.argtypes import GLOBAL_BATCH_SIZE, MAX_STEPS, SEED, STEPS, integer, real
+from elastor.commands.argtypes import (
+    GLOBAL_BATCH_SIZE,
+    MAX_STEPS,
+    SEED,
+    STEPS,
+    add_gpus_per_node,
+    integer,
+    real,
+)
 from elastor.commands.train import LR, TIMEOUT_S
 
 EXAMPLE = (
@@ -45,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help='healthy GPUs per node ("4,4") or a cluster JSON; with --node only its device and links count',
     )
+    add_gpus_per_node(p)
     p.add_argument("--profile", required=True, help="profile JSON from `elastor profile`")
     p.add_argument(
         "--global-batch-size", type=GLOBAL_BATCH_SIZE, required=True, help=f"an integer {GLOBAL_BATCH_SIZE}"
@@ -164,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
     from runtime.elastic.faults import Fault
 
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    cluster = of_kind(ClusterSpec.parse(args.cluster, profile.device_kind), profile.device_kind, args.cluster)
+    cluster = of_kind(
+        ClusterSpec.parse(args.cluster, profile.device_kind, args.gpus_per_node),
+        profile.device_kind,
+        args.cluster,
+    )
     failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
     recoveries = [Fault.parse(f, "--inject-recovery") for f in args.inject_recovery]
     if args.rdzv_backend == "etcd" and not args.rdzv_endpoint:
@@ -266,6 +279,7 @@ def _supervisor_args(args) -> list[str]:
     """The flags every simulated node's supervisor gets (the launcher adds --node and friends)."""
     return [
         f"--cluster={args.cluster}",
+        *([f"--gpus-per-node={args.gpus_per_node}"] if args.gpus_per_node else []),
         f"--profile={args.profile}",
         f"--global-batch-size={args.global_batch_size}",
         f"--steps={args.steps}",

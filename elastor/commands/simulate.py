@@ -20,6 +20,7 @@ from elastor.commands.argtypes import (
     GLOBAL_BATCH_SIZE,
     SEED,
     SOLVER_TIME_LIMIT_S,
+    add_gpus_per_node,
     integer,
     real,
 )
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f'nodes x GPUs ("2048x8"), healthy GPUs per node ("8,8,7") or a cluster JSON file '
         f"({CLUSTER_BOUNDS})",
     )
+    add_gpus_per_node(p)
     p.add_argument(
         "--global-batch-size",
         type=GLOBAL_BATCH_SIZE,
@@ -149,7 +151,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def parse_cluster(text: str, kind: str) -> ClusterSpec:
+def parse_cluster(text: str, kind: str, gpus_per_node: int | None = None) -> ClusterSpec:
     match = _NODES_BY_GPUS.match(text)
     if match:
         if len(match[1]) > 9 or len(match[2]) > 9:  # past every bound: no need to read them exactly
@@ -158,8 +160,8 @@ def parse_cluster(text: str, kind: str) -> ClusterSpec:
         if nodes < 1 or gpus < 1:
             raise ElastorError(f"Cluster {text!r} needs at least one node of at least one GPU.")
         check_size(nodes, gpus, nodes * gpus)
-        return ClusterSpec.from_counts([gpus] * nodes, kind)
-    return ClusterSpec.parse(text, kind)
+        return ClusterSpec.from_counts([gpus] * nodes, kind, gpus_per_node)
+    return ClusterSpec.parse(text, kind, gpus_per_node)
 
 
 def parse_floats(text: str, flag: str, high: float) -> list[float]:
@@ -252,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
         intervals = parse_floats(intervals, "--sweep-intervals", SECONDS.high)
     rates = parse_floats(args.rate_factors, "--rate-factors", MAX_RATE_FACTOR) if args.rate_factors else None
     profile = ModelProfile.from_json(read_json(args.profile, "profile"))
-    cluster = of_kind(parse_cluster(args.cluster, profile.device_kind), profile.device_kind, args.cluster)
+    cluster = of_kind(
+        parse_cluster(args.cluster, profile.device_kind, args.gpus_per_node),
+        profile.device_kind,
+        args.cluster,
+    )
     nodes = len(cluster.nodes)
     slices = parse_slices(args.slices, cluster, args.global_batch_size)
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)

@@ -6,7 +6,7 @@ import sys
 from costmodel import ClusterSpec, Plan
 from costmodel.jsonio import read_json
 from elastor.commands import subcommand
-from elastor.commands.argtypes import CLUSTER_BOUNDS
+from elastor.commands.argtypes import CLUSTER_BOUNDS, add_gpus_per_node
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f'healthy GPUs per node ("8,8,7") or a cluster JSON file ({CLUSTER_BOUNDS})',
     )
+    add_gpus_per_node(p)
     p.add_argument(
         "--device-kind",
         default="H100-80GB",
@@ -32,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(read_json(args.plan, "plan"))
-    cluster = ClusterSpec.parse(args.cluster, args.device_kind)
+    cluster = ClusterSpec.parse(args.cluster, args.device_kind, args.gpus_per_node)
     problems = plan.violations(cluster)
     if problems:
         for problem in problems:

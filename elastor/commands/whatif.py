@@ -10,7 +10,13 @@ import solver
 from costmodel import ElastorError
 from costmodel.jsonio import output_path, write_atomic
 from elastor.commands import subcommand
-from elastor.commands.argtypes import CLUSTER_BOUNDS, GLOBAL_BATCH_SIZE, SEED, SOLVER_TIME_LIMIT_S
+from elastor.commands.argtypes import (
+    CLUSTER_BOUNDS,
+    GLOBAL_BATCH_SIZE,
+    SEED,
+    SOLVER_TIME_LIMIT_S,
+    add_gpus_per_node,
+)
 from elastor.commands.plan import load_inputs
 from solver import whatif
 
@@ -32,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f'GPUs per node when all are healthy ("8,8,8,8") or JSON ({CLUSTER_BOUNDS})',
     )
+    add_gpus_per_node(p)
     p.add_argument(
         "--global-batch-size",
         type=GLOBAL_BATCH_SIZE,

@@ -261,7 +261,12 @@ class NodeSupervisor:
                 return {"error": st.stop}
             if healthy == 0:
                 return {"error": f"No healthy GPU is left; {intact}"}
-            cluster = ClusterSpec(device=cfg.cluster.device, nodes=nodes, links=cfg.cluster.links)
+            cluster = ClusterSpec(
+                device=cfg.cluster.device,
+                nodes=nodes,
+                links=cfg.cluster.links,
+                gpus_per_node=cfg.cluster.gpus_per_node,
+            )
             from solver import solve  # the solver is only needed by the leader
 
             started = time.perf_counter()
