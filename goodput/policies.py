@@ -28,9 +28,18 @@ POLICIES = ("elastor", "node-drop", "wait-for-repair", "spare-nodes")
 SPARE_FRACTION = 0.01
 
 
-def default_policies(num_nodes: int) -> list[str]:
-    spares = max(1, math.ceil(num_nodes * SPARE_FRACTION))
-    return ["elastor", "node-drop", "wait-for-repair", f"spare-nodes:{spares}"]
+def default_policies(gpus_per_node: list[int]) -> tuple[list[str], list[str]]:
+    """The policies that apply to a cluster of these nodes, and a note for each one left out:
+    spare-nodes swaps whole nodes of one size, so it needs two nodes or more, all of one size."""
+    policies, notes = ["elastor", "node-drop", "wait-for-repair"], []
+    if len(gpus_per_node) < 2:
+        notes.append("spare-nodes skipped: it needs a node to spare beside the ones that train.")
+    elif len(set(gpus_per_node)) > 1:
+        sizes = ", ".join(str(g) for g in sorted(set(gpus_per_node), reverse=True))
+        notes.append(f"spare-nodes skipped: it swaps nodes of one size, and these have {sizes} GPUs.")
+    else:
+        policies.append(f"spare-nodes:{max(1, math.ceil(len(gpus_per_node) * SPARE_FRACTION))}")
+    return policies, notes
 
 
 @dataclass(frozen=True, eq=False)

@@ -158,6 +158,33 @@ def test_without_failures_there_are_no_periodic_checkpoints(monkeypatch, profile
     assert "--sweep-intervals auto needs failures" in capsys.readouterr().err
 
 
+def test_unequal_nodes_run_every_policy_that_applies_and_say_which_they_skip(
+    monkeypatch, profile_path, capsys
+):
+    """`--cluster 8,8,7` failed outright: the default spare-nodes policy swaps nodes of one size."""
+    monkeypatch.setattr(solver, "solve", fake_solve, raising=False)
+    args = ["simulate", "--profile", profile_path, "--cluster", "8,8,7", "--global-batch-size", "8"]
+    assert main([*args, "--days", "3", "--runs", "1", "--rate-factors", "100", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"\n{policy} " in printed for policy in ("elastor", "node-drop", "wait-for-repair"))
+    assert "spare-nodes skipped: it swaps nodes of one size, and these have 8, 7 GPUs." in printed
+    assert "\nspare-nodes:" not in printed
+
+
+def test_the_interval_answer_is_printed_without_a_sweep(monkeypatch, profile_path, capsys):
+    monkeypatch.setattr(solver, "solve", fake_solve, raising=False)
+    args = ["simulate", "--profile", profile_path, "--cluster", "4x8", "--global-batch-size", "8"]
+    args += ["--days", "3", "--runs", "1", "--rate-factors", "100", "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    daly = printed.split("Daly ")[1].split(" s)")[0]
+    assert f"interval answer: checkpoint every {daly} s of training, Daly's optimum" in printed
+    assert main([*args, "--ckpt-interval", "600"]) == 0
+    assert "interval answer: not searched; every policy checkpointed every 600 s as asked" in (
+        capsys.readouterr().out
+    )
+
+
 def test_slices_too_small_for_any_pipeline_say_so(monkeypatch, profile_path, capsys):
     def no_plan(*args, **kwargs):
         raise ElastorError("No plan fits.")

@@ -164,6 +164,22 @@ def parse_cluster(text: str, kind: str, gpus_per_node: int | None = None) -> Clu
     return ClusterSpec.parse(text, kind, gpus_per_node)
 
 
+def interval_answer(used_s: float | None, asked_s: float | None, daly_s: float) -> str:
+    """The checkpoint interval to use, when no sweep searched one: Daly's, unless one was asked for."""
+    if used_s is None:
+        return "interval answer: no periodic checkpoint (no failures to recover from)."
+    search = "--sweep-intervals auto finds each policy's best by simulation"
+    if asked_s is not None:
+        return (
+            f"interval answer: not searched; every policy checkpointed every {used_s:g} s as asked "
+            f"(Daly's optimum for these costs and rates: {daly_s:.0f} s; {search})."
+        )
+    return (
+        f"interval answer: checkpoint every {used_s:g} s of training, Daly's optimum for these costs "
+        f"and rates ({search})."
+    )
+
+
 def parse_floats(text: str, flag: str, high: float) -> list[float]:
     """Positive finite numbers up to `high`, comma-separated, at most MAX_SWEEP_INTERVALS of them."""
     try:
@@ -261,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
     )
     nodes = len(cluster.nodes)
     slices = parse_slices(args.slices, cluster, args.global_batch_size)
-    policies = [p.strip() for p in args.policies.split(",")] if args.policies else default_policies(nodes)
+    policies, skipped = default_policies([len(n.gpus) for n in cluster.nodes])
+    if args.policies:
+        policies, skipped = [p.strip() for p in args.policies.split(",")], []
     failures = failure_model(args)
     check_failures(failures, cluster, args.days, rates)
     study = build_study(
@@ -310,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
     )
     table = loss_table(outcome.summary)
     print(format_table([list(table.columns), *table.astype(str).values.tolist()]))
+    for note in skipped:
+        print(note)
     if args.runs < MIN_RUNS_FOR_CI:
         print(f"(means of {args.runs} run(s): confidence intervals need --runs {MIN_RUNS_FOR_CI} or more)")
     if outcome.best is not None:
@@ -326,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         print("\n" + format_table(rows))
+    else:
+        print("\n" + interval_answer(outcome.interval_s, args.ckpt_interval, daly))
     if args.out_dir:
         for path in write_outputs(outcome, study, args.out_dir, args.timeline_days):
             print(f"wrote {path}")
