@@ -1,5 +1,8 @@
 """The training loop around `Trainer.train_step`: metrics, progress bar, and a per-step hook.
 
+A step whose all-reduce carried a stop request (runtime/stopping.py) is the last: the loop returns
+after it, on every rank, without the `done` event.
+
 `after_step(trainer, result)` runs after every step on every rank (the checkpoint plugs in here) and
 returns the seconds it blocked training, reported as `ckpt_stall_s`. `step_time_s` is the step's
 whole wall time on rank 0, stall included, and `samples_per_s` is the global batch over it.
@@ -78,8 +81,10 @@ def train(
                 )
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}")
+            if result.stop:  # every rank saw the same flag in the step's all-reduce
+                break
     finally:
         bar.close()
-    if metrics:
+    if metrics and trainer.step >= until_step:
         metrics.event("done", step=trainer.step)
     return results

@@ -9,7 +9,8 @@ dtype), the pipeline schedule, AdamW over the masters. One optimizer step (`trai
    gradients accumulate into the fp32 buckets, and each bucket's reduction (all-reduce, or
    reduce-scatter under ZeRO-1) is issued as soon as backward has produced all of it;
 2. wait for the reductions;
-3. one all-reduce over the job of [owned squared gradient, loss share]: the global norm and loss;
+3. one all-reduce over the job of [owned squared gradient, loss share, stop flag]: the global norm,
+   the loss, and whether any rank was asked to stop (runtime/stopping.py);
 4. clip, set the scheduled learning rate, AdamW step on the masters, publish them into the module
    (a copy, or under ZeRO-1 an all-gather of each bucket); advance step and cursor.
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from costmodel.plan import Plan
+from runtime import stopping
 from runtime.data import Prefetcher, open_source, pipeline_samples
 from runtime.dist_optim import MainState
 from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
@@ -42,6 +44,7 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping
     lr: float
     step_time_s: float
+    stop: bool = False  # some rank was asked to stop: training ends after this step (runtime/stopping.py)
 
 
 class Trainer:
@@ -111,11 +114,12 @@ class Trainer:
             [
                 self.main.owned_square_sum(),
                 loss.float() if self.reports_loss else torch.zeros((), device=self.ctx.device),
+                torch.tensor(float(stopping.current.requested), device=self.ctx.device),
             ]
         )
         with progress.current.waiting():
             dist.all_reduce(totals)
-        norm, global_loss = totals[0].sqrt().item(), totals[1].item()
+        norm, global_loss, stop = totals[0].sqrt().item(), totals[1].item(), totals[2].item() > 0
         coef = self.optim.clip_coefficient(norm)
         if coef < 1.0:
             self.main.scale_grads(coef)
@@ -127,7 +131,12 @@ class Trainer:
         self.cursor += self.plan.global_batch_size
         progress.current.step_done(self.step)
         return StepResult(
-            step=self.step, loss=global_loss, grad_norm=norm, lr=lr, step_time_s=time.perf_counter() - start
+            step=self.step,
+            loss=global_loss,
+            grad_norm=norm,
+            lr=lr,
+            step_time_s=time.perf_counter() - start,
+            stop=stop,
         )
 
     def close(self) -> None:

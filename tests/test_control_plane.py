@@ -347,7 +347,7 @@ def test_a_worker_sees_only_its_nodes_gpus_of_the_plan(tmp_path, monkeypatch):
     )
     counts = ClusterSpec.from_counts([2, 3], profile.device_kind)
     cluster = dataclasses.replace(
-        counts, nodes=(NodeSpec(name="n0", gpus=(0, 1)), NodeSpec(name="n1", gpus=(2, 5, 7)))
+        counts, nodes=(NodeSpec(name="n0", gpus=(0, 1)), NodeSpec(name="n1", gpus=(2, 5, 7))), gpus_per_node=8
     )
     plan = solve(profile, cluster, 8)
     config = RunConfig(

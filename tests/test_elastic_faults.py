@@ -8,6 +8,7 @@ checks that the run finishes and matches an uninterrupted single-process run wit
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,9 +22,10 @@ from proc_helpers import MARK, children, cmdline, descendants, end_launch, gone_
 from test_elastic import RUN_TIMEOUT_S, _assert_matches_reference, _profile, run_command
 
 from costmodel import Plan
-from runtime.elastic.lifeline import ORPHAN_BOUND_S
+from runtime.elastic.lifeline import ORPHAN_BOUND_S, STOP_REQUEST_S
 from runtime.elastic.report import read_metrics, recoveries
 from runtime.elastic.store import SignedStore
+from runtime.elastic.supervisor import checkpointed_step
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -220,3 +222,27 @@ def _listening(pid: int) -> set[str]:
             if fields[3] == "0A" and fields[9] in inodes:
                 found.add(fields[1].partition(":")[0])
     return found
+
+
+@pytest.mark.slow  # about 60 s: two runs of a simulated cluster
+@pytest.mark.parametrize("to", ["launcher", "a supervisor"])
+def test_sigterm_stops_every_worker_after_a_step_with_a_checkpoint_and_the_rerun_resumes(
+    tmp_path, profile_path, to
+):
+    steps, at = 12, random.Random().randint(2, 7)
+    with _Run(tmp_path, profile_path, "1,1", steps) as run:
+        run.wait_for_step(at)
+        target = run.launcher.pid if to == "launcher" else run.supervisor("n1")
+        os.kill(target, signal.SIGTERM)
+        asked_at = time.monotonic()
+        code = run.launcher.wait(timeout=RUN_TIMEOUT_S)
+        assert time.monotonic() - asked_at <= STOP_REQUEST_S, run.output()
+        assert gone_within(set(marked(run.mark)), ORPHAN_BOUND_S) == set()
+        assert code == 128 + signal.SIGTERM, run.output()
+        stopped = [r for r in read_metrics(run.metrics) if r.get("event") == "stopped"]
+        assert len(stopped) == 1 and checkpointed_step(tmp_path / "ckpt") == stopped[0]["step"] < steps
+        assert "stopped by SIGTERM" in run.output()
+    with _Run(tmp_path, profile_path, "1,1", steps) as rerun:
+        records = rerun.finish()
+    assert not any(r.get("event") == "failure_detected" for r in records)
+    _assert_matches_reference(tmp_path, records, steps)

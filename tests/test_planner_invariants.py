@@ -50,7 +50,11 @@ def grown(cluster: ClusterSpec, rng: random.Random) -> dict[str, ClusterSpec]:
         i = rng.randrange(len(cluster.nodes))
         node = cluster.nodes[i]
         more = NodeSpec(name=node.name, gpus=(*node.gpus, max(node.gpus) + 1))
-        out["gpu"] = dataclasses.replace(cluster, nodes=(*cluster.nodes[:i], more, *cluster.nodes[i + 1 :]))
+        out["gpu"] = dataclasses.replace(
+            cluster,
+            nodes=(*cluster.nodes[:i], more, *cluster.nodes[i + 1 :]),
+            gpus_per_node=max(cluster.gpus_per_node, max(more.gpus) + 1),  # a GPU id past a whole node's
+        )
         size = rng.randint(1, min(widest, EXACT_GPUS - gpus))
         node = NodeSpec(name=f"n{len(cluster.nodes)}", gpus=tuple(range(size)))
         out["node"] = dataclasses.replace(cluster, nodes=(*cluster.nodes, node))

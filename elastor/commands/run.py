@@ -2,7 +2,6 @@
 
 import argparse
 import signal
-import sys
 from pathlib import Path
 
 from costmodel import ClusterSpec, ElastorError, ModelProfile
@@ -224,11 +223,14 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
         hang_timeout_s=args.hang_timeout_s,
     )
     gpus = _gpus(args.gpus, args.device)
-    # SIGTERM (the launcher, a scheduler) unwinds through the supervisor, which stops its workers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rendezvous = _rendezvous(args, token)
+    supervisor = NodeSupervisor(config, rendezvous, gpus, host=args.host)
+    # SIGTERM (the launcher, a scheduler) or Ctrl-C: the workers finish their step and save, and the
+    # run ends; a second signal unwinds through the supervisor, which stops its workers at once.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, supervisor.request_stop)
     try:
-        code = NodeSupervisor(config, rendezvous, gpus, host=args.host).run()
+        code = supervisor.run()
         leads = rendezvous.is_leader
     finally:
         rendezvous.close()

@@ -1,6 +1,9 @@
 """`elastor train --plan PLAN --steps N --metrics FILE`: train from a plan, one process per plan device."""
 
 import argparse
+import os
+import signal
+import sys
 from pathlib import Path
 
 from costmodel import ElastorError, Plan
@@ -126,11 +129,14 @@ def run(args: argparse.Namespace) -> int:
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
     from runtime.optim import OptimConfig
+    from runtime.stopping import current as stop_request
     from runtime.trainer import Trainer
 
     source = open_source(args.data, plan.model.vocab_size, plan.seq_len, args.seed)  # errors before joining
     ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
     progress.current.start(ctx.device_name)  # read by `elastor run`'s hang detection
+    supervised = os.environ.get(progress.ENV_DIR)
+    stop_request.listen(supervised)  # SIGTERM/SIGINT, or the supervisor's word: finish the step, save
     if ctx.is_cuda and plan.dtype == "float32":  # fp32 plans run their matrix products in TF32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     )
     trainer = Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
-    ckpt_dir, lock, hook = (Path(args.ckpt_dir) if args.ckpt_dir else None), None, None
+    ckpt_dir, lock, hook, stopped = (Path(args.ckpt_dir) if args.ckpt_dir else None), None, None, False
     try:
         if ckpt_dir is not None and ctx.rank == 0:  # rank 0 owns the directory for the job
             lock = lock_directory(ckpt_dir)
@@ -161,8 +167,19 @@ def run(args: argparse.Namespace) -> int:
             resumed=resumed,
         )
         until = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-        train(trainer, until_step=until, metrics=metrics, after_step=hook)
+        results = train(trainer, until_step=until, metrics=metrics, after_step=hook)
         hook.finish()
+        stopped = bool(results) and results[-1].stop and trainer.step < until
+        if stopped and metrics:
+            saved = (
+                f"checkpoint at step {trainer.step} in {ckpt_dir}"
+                if ckpt_dir
+                else "no --ckpt-dir: nothing saved"
+            )
+            metrics.event(
+                "stopped", step=trainer.step, signal=stop_request.name(), saved=ckpt_dir is not None
+            )
+            print(f"elastor train: stopped on request after step {trainer.step}; {saved}", file=sys.stderr)
     finally:
         trainer.close()
         if metrics:
@@ -171,5 +188,8 @@ def run(args: argparse.Namespace) -> int:
             if hook is not None and hook.saver is not None:
                 hook.saver.settle()  # no save may go on without the lock
             lock.release()
+    stop_request.restore()
     dist.destroy_process_group()
+    if stopped and not supervised:  # alone: the status of a process that the signal ended
+        return stop_request.exit_code() if stop_request.requested else 128 + signal.SIGTERM
     return 0

@@ -35,7 +35,11 @@ TORCH_CLOSE_GRACE_S = 30.0  # torchrun's own SIGTERM -> SIGKILL grace for its wo
 # A supervisor stopping its torchrun (SIGTERM) waits this long before SIGKILL: longer than torchrun's
 # own grace, so that torchrun is never killed while it is still stopping its workers.
 TORCHRUN_STOP_S = TORCH_CLOSE_GRACE_S + 5.0
-SUPERVISOR_STOP_S = TORCHRUN_STOP_S + 10.0  # the launcher's wait for a supervisor it told to stop
+# A stop request (SIGTERM, SIGINT to a supervisor): its workers finish their step and save within
+# this, or are stopped as a failed round's are (runtime/stopping.py).
+STOP_REQUEST_S = 30.0
+# The launcher's wait for a supervisor it told to stop: a stop request, then stopping torchrun.
+SUPERVISOR_STOP_S = STOP_REQUEST_S + TORCHRUN_STOP_S + 10.0
 # A supervisor whose launcher is gone has this long to stop its torchrun before its lifeline kills it
 # (a round's workers die on SIGTERM at once; if they do not, their lifelines kill them).
 SUPERVISOR_GRACE_S = 5.0

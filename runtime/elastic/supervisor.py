@@ -26,6 +26,13 @@ Every node runs one (`elastor run --node NAME ...`); one of them also leads (the
    the same error as the one before, on the same GPUs, without a newer checkpoint; or more rounds
    failed than `--max-restarts` allows. Then the run stops with that error in one sentence (exit 2).
 
+Stopping: the first SIGTERM or SIGINT to a supervisor asks its round's workers to stop after their
+step (runtime/stopping.py: the request reaches every rank of the job through the step's all-reduce),
+and they save a checkpoint and exit; the supervisor reports the stop, and the leader ends the run
+(every supervisor exits 128 + the signal) instead of starting another round. Workers that have not
+stopped within lifeline.STOP_REQUEST_S are stopped as a failed round's are; a second signal stops
+the supervisor at once.
+
 Processes: torchrun and each of its workers run under `runtime.elastic.lifeline`, so they die with
 their parent; the supervisor is a child subreaper (Linux), so a worker that outlives its torchrun
 becomes its child, and it kills whatever is left of a round when the round ends. Stopping a round
@@ -60,6 +67,7 @@ from runtime.elastic import faults, lifeline, progress
 from runtime.elastic.faults import Fault
 from runtime.elastic.rendezvous import NotLeader, Rendezvous
 from runtime.metrics import MetricsWriter
+from runtime.stopping import DUPLICATE_S, request_stop
 
 POLL_S = 0.05
 # How often a running round looks at its peers' exits and heartbeats and at its workers' progress:
@@ -115,6 +123,8 @@ class _LeaderState:
     # The last round's (error, plan devices, checkpointed step after it) if it failed, else None.
     last_failure: tuple[str, tuple[str, ...], int] | None = None
     stop: str | None = None  # why the run must end at the next decision
+    stop_signal: int = 0  # a supervisor was asked to stop (SIGTERM, SIGINT): end the run, no error
+    stop_node: str | None = None  # which one
 
     def to_json(self) -> dict:
         return {
@@ -144,6 +154,7 @@ class RoundExit:
     stopped: bool = False  # this supervisor stopped the workers because a peer's had failed
     hung: tuple[str, ...] = ()  # this node's devices found hung (the workers were killed for it)
     since_s: float | None = None  # when the hang began (wall clock)
+    stop_signal: int = 0  # this supervisor was asked to stop by this signal (its workers saved and exited)
 
 
 class NodeSupervisor:
@@ -152,6 +163,21 @@ class NodeSupervisor:
         self.node = rendezvous.node
         self.state = _LeaderState()
         self.ckpt_lock = None  # the leader's hold on --ckpt-dir, for the whole job
+        self.stop_signal = 0  # the signal that asked this supervisor to stop (0: none)
+        self._stop_asked_at = 0.0
+
+    def request_stop(self, signum: int, _frame=None) -> None:
+        """SIGTERM/SIGINT handler: the first asks the workers to stop after their step and save; the
+        second stops this supervisor at once (its round's workers with it)."""
+        if self.stop_signal:
+            if time.monotonic() - self._stop_asked_at >= DUPLICATE_S:
+                raise SystemExit(128 + signum)
+            return  # the same request by another path
+        self.stop_signal, self._stop_asked_at = signum, time.monotonic()
+        _say(
+            f"{signal.Signals(signum).name}: the workers finish their step and save a checkpoint "
+            f"(within {lifeline.STOP_REQUEST_S:.0f} s); signal again to stop at once"
+        )
 
     # ---- the round loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -167,12 +193,16 @@ class NodeSupervisor:
         while True:
             self.rdzv.report_health(round_, self.probe())
             decision = self._agree(round_)
-            if decision.get("error") or decision.get("done"):
+            if decision.get("error") or decision.get("done") or decision.get("stopped"):
                 self.rdzv.finish(round_)
             if decision.get("error"):
                 if self.rdzv.is_leader:
                     print(f"elastor: error: {decision['error']}", file=sys.stderr)
                 return 2
+            if decision.get("stopped"):
+                if self.rdzv.is_leader:
+                    print(f"elastor run: {decision['stopped']}", file=sys.stderr)
+                return 128 + decision["signal"]
             if decision.get("done"):
                 return 0
             plan = Plan.from_json(decision["plan"])
@@ -237,6 +267,14 @@ class NodeSupervisor:
         step = checkpointed_step(cfg.ckpt_dir)
         if step >= cfg.steps:
             return {"done": True}
+        if self.stop_signal and not st.stop_signal:  # asked between rounds: nothing runs to stop
+            st.stop_signal, st.stop_node = self.stop_signal, self.node
+        if st.stop_signal:
+            return {
+                "stopped": f"stopped by {signal.Signals(st.stop_signal).name} to {st.stop_node}'s "
+                f"supervisor; the checkpoint of step {step} in {cfg.ckpt_dir} resumes the run (rerun it).",
+                "signal": st.stop_signal,
+            }
         dead = self._dead() | st.hung
         nodes = tuple(
             NodeSpec(name=n, gpus=tuple(g for g in h["gpus"] if f"{n}:{g}" not in dead))
@@ -329,6 +367,8 @@ class NodeSupervisor:
         cfg, st = self.config, self.state
         failed = [e for e in exits.values() if e["code"] != 0]
         step = checkpointed_step(cfg.ckpt_dir)
+        if asked := [(name, e["stop_signal"]) for name, e in exits.items() if e.get("stop_signal")]:
+            st.stop_node, st.stop_signal = asked[0]
         for e in failed:
             st.hung |= set(e.get("hung") or ())
         if not failed:  # a clean stop: the recoveries due by now take effect
@@ -393,10 +433,19 @@ class NodeSupervisor:
                     start_new_session=True,
                 )
             watch = progress.HangWatch(plan.devices, on_node, cfg.hang_timeout_s)
-            stopped, verdict, looked_at = False, None, 0.0
+            stopped, verdict, looked_at, asked_at = False, None, 0.0, None
             try:
                 while worker.poll() is None:
                     time.sleep(POLL_S)
+                    if self.stop_signal and asked_at is None:
+                        request_stop(progress_dir, self.stop_signal)  # the workers poll for it
+                        asked_at = time.monotonic()
+                    elif asked_at is not None and time.monotonic() - asked_at > lifeline.STOP_REQUEST_S:
+                        _say(
+                            f"the workers on {self.node} did not stop within {lifeline.STOP_REQUEST_S:.0f} s"
+                        )
+                        _stop(worker)
+                        break
                     if time.monotonic() - looked_at < LOOK_S:
                         continue  # the workers' own exit is noticed every POLL_S, the rest every LOOK_S
                     looked_at = time.monotonic()
@@ -424,9 +473,15 @@ class NodeSupervisor:
                 code=-9, error=error, log=str(log), hung=verdict.devices, since_s=verdict.since_s
             )
         if code == 0:
-            return RoundExit(code=0)
+            return RoundExit(code=0, stop_signal=self.stop_signal)
         _say(f"workers on {self.node} exited with {code}; their output is in {log}")
-        return RoundExit(code=code, error=worker_error(log, code), log=str(log), stopped=stopped)
+        return RoundExit(
+            code=code,
+            error=worker_error(log, code),
+            log=str(log),
+            stopped=stopped,
+            stop_signal=self.stop_signal,
+        )
 
     def _torchrun(
         self, round_: int, plan: Plan, on_node: list[str], plan_path: Path, decision: dict, store: str
