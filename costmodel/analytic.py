@@ -258,7 +258,8 @@ def shard_param_count(config: ModelConfig, kind: str, tp_degree: int) -> int:
         return vocab * h
     if kind == "head":
         return h + vocab * h  # a tied head still multiplies by its copy of the embedding
-    return 2 * h + 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * width
+    biases = (heads + 2 * kv_heads) * d if config.qkv_bias else 0
+    return 2 * h + 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * width + biases
 
 
 # ---- time: a roofline per kernel --------------------------------------------------------------------

@@ -4,8 +4,16 @@ The layer list is `embed`, `blocks.0` ... `blocks.{n-1}`, `head` (final norm + o
 stages own half-open ranges of it. Parameter counts follow the layout of Hugging Face's
 `LlamaForCausalLM` exactly, so a preset's count matches its published figure
 (Llama-2-7B: 6,738,415,616) and a model's `config.json` can be read as it is.
+
+Two variants of the family are implemented: Llama 3.1's rotary frequency scaling (`rope_scaling`
+of type llama3, Dubey et al. 2024; the frequencies as Meta's reference code scales them) and
+Qwen2's biases on the query, key and value projections (`qkv_bias`; Yang et al. 2024). A Hugging
+Face config that asks for anything else the model does not compute (another `model_type`, a
+sliding window, experts, another activation or rotary scaling, biases elsewhere) is refused in one
+sentence naming the field, never read as plain Llama.
 """
 
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,38 @@ MAX_FIELD = {
 }
 # Rotary bases in use run from 10^4 (Llama 2) to 5 x 10^5 (Llama 3) and 10^6 (long-context models).
 MAX_ROPE_THETA = 1e12
+MAX_ROPE_FACTOR = 1024.0  # Llama 3.1 stretches its rotary wavelengths by 8
+# Hugging Face model types read here: Llama's shape, and Qwen2's (q/k/v biases); Mistral's is
+# Llama's when it has no sliding window.
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's rotary scaling: wavelengths longer than original_max_seq_len / low_freq_factor
+    are stretched by `factor`, shorter than original_max_seq_len / high_freq_factor kept, and the
+    band between interpolated (`runtime.model.rotary_frequencies`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+
+    def __post_init__(self) -> None:
+        numbers = (self.factor, self.low_freq_factor, self.high_freq_factor)
+        if not (
+            all(is_number(x, above=0, high=MAX_ROPE_FACTOR) for x in numbers)
+            and self.factor >= 1
+            and self.low_freq_factor < self.high_freq_factor
+            and is_integer(self.original_max_seq_len, 1, MAX_FIELD["max_seq_len"])
+        ):
+            raise ElastorError(
+                "rope_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor (each at most "
+                f"{MAX_ROPE_FACTOR:g}) and a positive original_max_seq_len, not {shown(numbers)} and "
+                f"{shown(self.original_max_seq_len)}."
+            )
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +87,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's; None: plain rotary
+    qkv_bias: bool = False  # Qwen2's biases on the query, key and value projections
 
     def __post_init__(self) -> None:
         """The one check of every field's type and range (presets, model blocks, HF configs)."""
@@ -76,9 +118,16 @@ class ModelConfig:
             )
         object.__setattr__(self, "norm_eps", float(eps))
         object.__setattr__(self, "rope_theta", float(theta))
-        if not isinstance(self.tie_embeddings, bool):
+        for flag in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ElastorError(
+                    f"Model {self.name!r} needs {flag} true or false, not {shown(getattr(self, flag))}."
+                )
+        if isinstance(self.rope_scaling, dict):  # from JSON
+            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, self.name))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ElastorError(
-                f"Model {self.name!r} needs tie_embeddings true or false, not {shown(self.tie_embeddings)}."
+                f"Model {self.name!r} needs rope_scaling null or an object, not {shown(self.rope_scaling)}."
             )
         if self.num_heads % self.num_kv_heads:
             raise ElastorError(
@@ -122,7 +171,8 @@ class ModelConfig:
         attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h  # wq, wk, wv, wo
         mlp = 3 * h * self.intermediate_size  # gate, up, down
         norms = 2 * h
-        return attention + mlp + norms
+        biases = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+        return attention + mlp + norms + biases
 
     def layer_param_count(self, index: int) -> int:
         """Parameters owned by one entry of the layer list; a tied output matrix counts once, in embed."""
@@ -140,7 +190,11 @@ class ModelConfig:
 
     # ---- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "num_layers": self.num_layers}
+        data = {**asdict(self), "num_layers": self.num_layers}
+        for variant in ("rope_scaling", "qkv_bias"):  # written only when used: older files stay as they were
+            if not data[variant]:
+                del data[variant]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -166,18 +220,16 @@ class ModelConfig:
             "num_attention_heads",
             "vocab_size",
         )
+        kind = data.get("model_type", "llama")
+        if kind not in HF_MODEL_TYPES:
+            raise ElastorError(
+                f"The Hugging Face config {name!r} has model_type {shown(kind)}; Elastor implements "
+                f"{', '.join(HF_MODEL_TYPES)} (Llama's shape, Qwen2's q/k/v biases)."
+            )
         missing = [k for k in required if k not in data]
         if missing:
             raise ElastorError(f"The Hugging Face config {name!r} lacks the field(s) {', '.join(missing)}.")
-        for flag in ("attention_bias", "mlp_bias"):
-            if data.get(flag):
-                raise ElastorError(
-                    f"The Hugging Face config {name!r} sets {flag}; Elastor's Llama model has no biases."
-                )
-        if data.get("rope_scaling"):  # absent, null or {}: no scaling
-            raise ElastorError(
-                f"The Hugging Face config {name!r} uses rope_scaling, which Elastor does not implement yet."
-            )
+        _refuse_unimplemented(data, name, kind)
         heads = data["num_attention_heads"]
 
         def given(key: str, default: Any) -> Any:  # null in a Hugging Face config means "the default"
@@ -196,13 +248,17 @@ class ModelConfig:
             norm_eps=given("rms_norm_eps", 1e-6),
             rope_theta=given("rope_theta", 10000.0),
             tie_embeddings=given("tie_word_embeddings", False),
+            rope_scaling=_hf_rope_scaling(data, name),
+            qkv_bias=kind == "qwen2",
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """The Hugging Face `config.json` of this model (used by checkpoint export)."""
+        qwen = self.qkv_bias
+        scaling = self.rope_scaling
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_blocks,
@@ -215,10 +271,81 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
+            **({"use_sliding_window": False} if qwen else {"attention_bias": False, "mlp_bias": False}),
+            "rope_scaling": None
+            if scaling is None
+            else {
+                "rope_type": "llama3",
+                "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len,
+            },
             "torch_dtype": "float32",
         }
+
+
+def _rope_scaling(data: dict[str, Any], model: str) -> RopeScaling:
+    """A model block's rope_scaling object."""
+    require(data, f"model {model!r}'s rope_scaling", *(f.name for f in fields(RopeScaling)))
+    return RopeScaling(**{f.name: data[f.name] for f in fields(RopeScaling)})
+
+
+def _hf_rope_scaling(data: dict[str, Any], name: str) -> RopeScaling | None:
+    """Llama 3.1's scaling from a Hugging Face `rope_scaling` (or transformers 5's `rope_parameters`);
+    None for none (absent, null, {} or the default type); any other type is refused."""
+    scaling = data.get("rope_scaling") or data.get("rope_parameters") or {}
+    if not isinstance(scaling, dict):
+        raise ElastorError(f"The Hugging Face config {name!r} has a rope_scaling that is not an object.")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ElastorError(
+            f"The Hugging Face config {name!r} has rope_scaling type {shown(kind)}; Elastor implements "
+            "llama3 scaling only."
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if missing := [k for k in keys if k not in scaling]:
+        raise ElastorError(
+            f"The Hugging Face config {name!r} has a rope_scaling that lacks {', '.join(missing)}."
+        )
+    return RopeScaling(
+        factor=scaling["factor"],
+        low_freq_factor=scaling["low_freq_factor"],
+        high_freq_factor=scaling["high_freq_factor"],
+        original_max_seq_len=scaling["original_max_position_embeddings"],
+    )
+
+
+# Fields of a Hugging Face config that ask for computation Elastor's model does not do, each with the
+# value that means "not used": (field, is it off, what it is).
+_UNIMPLEMENTED = (
+    ("sliding_window", lambda v: v is None, "a sliding attention window"),
+    ("use_sliding_window", lambda v: not v, "a sliding attention window"),
+    ("num_local_experts", lambda v: not v, "mixture-of-experts layers"),
+    ("num_experts", lambda v: not v, "mixture-of-experts layers"),
+    ("hidden_act", lambda v: v in (None, "silu"), "an MLP activation other than SiLU"),
+    ("mlp_bias", lambda v: not v, "MLP biases"),
+    ("attention_dropout", lambda v: not v, "attention dropout"),
+    ("pretraining_tp", lambda v: v in (None, 1), "Meta's sliced pretraining_tp matmuls"),
+)
+
+
+def _refuse_unimplemented(data: dict[str, Any], name: str, kind: str) -> None:
+    for field_name, off, what in _UNIMPLEMENTED:
+        if field_name == "sliding_window" and kind == "qwen2":
+            continue  # Qwen2 writes a window size that only use_sliding_window turns on
+        if field_name in data and not off(data[field_name]):
+            raise ElastorError(
+                f"The Hugging Face config {name!r} sets {field_name} = {json.dumps(data[field_name])} "
+                f"({what}), which Elastor's model does not implement."
+            )
+    if data.get("attention_bias"):
+        raise ElastorError(
+            f"The Hugging Face config {name!r} sets attention_bias (biases on every attention projection, "
+            "the output's too), which Elastor's model does not implement; Qwen2's q/k/v biases it does."
+        )
 
 
 _REQUIRED = (

@@ -96,11 +96,14 @@ def layer_params(config: ModelConfig, index: int) -> list[ParamSpec]:
             specs.append(ParamSpec("head.output.weight", (v, h), 0))
         return specs
     p, d, w = f"blocks.{index - 1}.", config.head_dim, config.intermediate_size
+    projections = []
+    for name, rows in (("wq", config.q_size), ("wk", config.kv_size), ("wv", config.kv_size)):
+        projections.append(ParamSpec(p + f"attn.{name}.weight", (rows, h), 0, unit=d))
+        if config.qkv_bias:  # split with its rows: a column-parallel projection's bias
+            projections.append(ParamSpec(p + f"attn.{name}.bias", (rows,), 0, unit=d))
     return [
         ParamSpec(p + "attn_norm.weight", (h,), None),
-        ParamSpec(p + "attn.wq.weight", (config.q_size, h), 0, unit=d),
-        ParamSpec(p + "attn.wk.weight", (config.kv_size, h), 0, unit=d),
-        ParamSpec(p + "attn.wv.weight", (config.kv_size, h), 0, unit=d),
+        *projections,
         ParamSpec(p + "attn.wo.weight", (h, config.q_size), 1, unit=d),
         ParamSpec(p + "mlp_norm.weight", (h,), None),
         ParamSpec(p + "mlp.gate.weight", (w, h), 0),

@@ -44,10 +44,27 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rotary_tables(config: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq_len, head_dim] (Su et al. 2021, RoFormer; half-split layout)."""
+def rotary_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
+    """The head_dim / 2 rotary frequencies theta^(-2i/d), with Llama 3.1's scaling when the model has
+    it: wavelengths (2 pi / frequency) above original_max_seq_len / low_freq_factor are stretched by
+    `factor`, those below original_max_seq_len / high_freq_factor kept, and in between the two are
+    mixed linearly in original_max_seq_len / wavelength (Dubey et al. 2024; Meta's reference code)."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    mix = (s.original_max_seq_len / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    mixed = (1 - mix) * inv_freq / s.factor + mix * inv_freq
+    long_waves = wavelength > s.original_max_seq_len / s.low_freq_factor
+    short_waves = wavelength < s.original_max_seq_len / s.high_freq_factor
+    return torch.where(long_waves, inv_freq / s.factor, torch.where(short_waves, inv_freq, mixed))
+
+
+def rotary_tables(config: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim] (Su et al. 2021, RoFormer; half-split layout)."""
+    inv_freq = rotary_frequencies(config, device)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -77,9 +94,10 @@ class Attention(nn.Module):
         self.local_heads = config.num_heads // tp_degree
         self.local_kv_heads = config.num_kv_heads // tp_degree
         h = config.hidden_size
-        self.wq = nn.Linear(h, self.local_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(h, self.local_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(h, self.local_kv_heads * self.head_dim, bias=False)
+        bias = config.qkv_bias
+        self.wq = nn.Linear(h, self.local_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(h, self.local_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(h, self.local_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(self.local_heads * self.head_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -189,9 +207,12 @@ def build_model(config: ModelConfig, *, seed: int = 0) -> ModelSlice:
 
 
 def _init_std(name: str, config: ModelConfig) -> float | None:
-    """None for norm weights (ones); residual-output projections scaled by 1/sqrt(2 * blocks) (GPT-2)."""
+    """None for norm weights (ones); 0 for biases (zeros); residual-output projections scaled by
+    1/sqrt(2 * blocks) (GPT-2)."""
     if name.endswith("norm.weight"):
         return None
+    if name.endswith(".bias"):
+        return 0.0
     if name.endswith(("attn.wo.weight", "mlp.down.weight")):
         return INIT_STD / math.sqrt(2 * config.num_blocks)
     return INIT_STD
@@ -202,6 +223,8 @@ def init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: in
     std = _init_std(name, config)
     if std is None:
         return torch.ones(shape)
+    if std == 0.0:
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 

@@ -1,6 +1,7 @@
 """Shared test helpers: repository paths, the example files, small synthetic models and profiles."""
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel import ModelConfig
+from costmodel.config import RopeScaling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,6 +39,18 @@ TIED_TINY = ModelConfig(
     num_kv_heads=2,
     max_seq_len=64,
     tie_embeddings=True,
+)
+
+
+# Qwen2's shape: biases on the query, key and value projections (split with their rows under TP).
+QWEN_TINY = dataclasses.replace(TIED_TINY, name="qwen-tiny", qkv_bias=True, rope_theta=1e6)
+# Llama 3.1's rotary scaling, with an original context short enough that the 4 frequencies of its
+# head dimension 8 fall in all three bands: kept (wavelength 6.3), mixed (63), stretched (628, 6283).
+SCALED_TINY = dataclasses.replace(
+    TIED_TINY,
+    name="scaled-tiny",
+    tie_embeddings=False,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64),
 )
 
 

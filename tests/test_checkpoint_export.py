@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from checkpoint_support import TINY, random_plan
-from helpers import TIED_TINY, run_elastor
+from helpers import QWEN_TINY, SCALED_TINY, TIED_TINY, run_elastor
 
 from costmodel.layout import device_pieces
 from runtime.checkpoint import Checkpointer
@@ -45,8 +45,10 @@ def save_model(directory, model, plan) -> None:
         checkpointer.wait()
 
 
-@pytest.mark.parametrize("config", [TINY, TIED_TINY], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [TINY, TIED_TINY, QWEN_TINY, SCALED_TINY], ids=lambda c: c.name)
 def test_export_matches_transformers_logits(tmp_path, config):
+    """Llama, with tied embeddings, Qwen2's q/k/v biases, and Llama 3.1's rotary scaling: the exported
+    folder loads as its own architecture and gives the same logits."""
     transformers = pytest.importorskip("transformers")
     model = trained_looking_model(config, seed=1).eval()
     plan = random_plan(random.Random(config.num_heads), config, world_size=3)
@@ -54,7 +56,8 @@ def test_export_matches_transformers_logits(tmp_path, config):
     _, config_json = export_safetensors(tmp_path / "ckpt", tmp_path / "hf" / "model.safetensors")
     assert json.loads(config_json.read_text())["num_key_value_heads"] == config.num_kv_heads
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == ("Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM")
     tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits

@@ -56,6 +56,27 @@ LLAMA32_1B_HF = {
 }
 LLAMA32_1B_PARAMS = 1_235_814_400
 
+# Qwen/Qwen2-0.5B config.json (the fields Elastor reads or checks): q/k/v biases, tied embeddings.
+QWEN2_05B_HF = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "max_window_layers": 24,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": True,
+}
+
 
 def tiny(**overrides) -> ModelConfig:
     fields = dict(
@@ -152,15 +173,45 @@ def test_hf_config_round_trip(name):
 @pytest.mark.parametrize(
     ("change", "sentence"),
     [
-        ({"attention_bias": True}, "sets attention_bias; Elastor's Llama model has no biases."),
-        ({"mlp_bias": True}, "sets mlp_bias; Elastor's Llama model has no biases."),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "uses rope_scaling"),
+        ({"attention_bias": True}, "sets attention_bias (biases on every attention projection"),
+        ({"mlp_bias": True}, "sets mlp_bias = true (MLP biases)"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 32.0}},
+            "rope_scaling that lacks low_freq_factor",
+        ),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "has rope_scaling type 'yarn'; Elastor"),
+        ({"model_type": "gpt2"}, "has model_type 'gpt2'; Elastor implements llama, qwen2, mistral"),
+        ({"model_type": "mixtral"}, "has model_type 'mixtral'"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sets sliding_window = 4096 (a sliding"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "sets use_sliding_window = true"),
+        ({"num_local_experts": 8}, "sets num_local_experts = 8 (mixture-of-experts layers)"),
+        ({"hidden_act": "gelu"}, 'sets hidden_act = "gelu" (an MLP activation other than SiLU)'),
     ],
 )
 def test_hf_config_features_elastor_lacks_are_refused(change, sentence):
     with pytest.raises(ElastorError, match=r"^The Hugging Face config 'x' ") as e:
         ModelConfig.from_hf_config({**LLAMA2_7B_HF, **change}, name="x")
     assert sentence in str(e.value)
+
+
+def test_llama31_rope_scaling_and_qwen2_biases_are_read_with_their_published_counts():
+    llama31 = {
+        **LLAMA2_7B_HF, "intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    }  # fmt: skip
+    config = ModelConfig.from_hf_config(llama31, name="llama3.1-8b")
+    assert config.param_count == 8_030_261_248  # meta-llama/Llama-3.1-8B
+    assert config.rope_scaling.factor == 8.0 and config.rope_scaling.original_max_seq_len == 8192
+    assert ModelConfig.from_json(config.to_json()) == config
+    assert ModelConfig.from_hf_config(config.to_hf_config(), name="again") == dataclasses.replace(
+        config, name="again"
+    )
+    qwen = ModelConfig.from_hf_config(QWEN2_05B_HF, name="qwen2-0.5b")
+    assert qwen.qkv_bias and qwen.param_count == 494_032_768  # Qwen/Qwen2-0.5B
+    assert ModelConfig.from_hf_config(qwen.to_hf_config(), name="qwen2-0.5b") == qwen
+    assert "qkv_bias" not in PRESETS["llama2-7b"].to_json()  # absent unless used: older files unchanged
 
 
 def test_hf_config_names_every_missing_field():

@@ -14,6 +14,7 @@ import torch
 from dist_helpers import PARITY_OPTIM, assemble, plan_json, run_worker
 
 from costmodel import PRESETS, ModelConfig
+from costmodel.config import RopeScaling
 from runtime.optim import OptimConfig
 from runtime.reference import train_reference
 
@@ -25,7 +26,8 @@ PARAM_RTOL = PARAM_ATOL = 1e-5
 
 TINY = PRESETS["gpt-tiny"].to_json()
 # Tied embeddings, grouped-query attention (6 query heads on 3 key/value heads), and a vocabulary
-# (250) and MLP width (100) that TP degree 3 splits unevenly (84/83/83 and 34/33/33).
+# (250) and MLP width (100) that TP degree 3 splits unevenly (84/83/83 and 34/33/33); Qwen2's q/k/v
+# biases (split with their heads) and Llama 3.1's rotary scaling (its three bands within head_dim 8).
 TIED = ModelConfig(
     name="tied-gqa-tiny",
     vocab_size=250,
@@ -36,6 +38,8 @@ TIED = ModelConfig(
     num_kv_heads=3,
     max_seq_len=64,
     tie_embeddings=True,
+    qkv_bias=True,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64),
 ).to_json()
 
 PLANS = {
