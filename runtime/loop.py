@@ -1,5 +1,8 @@
 """The training loop around `Trainer.train_step`: metrics, progress bar, and a per-step hook.
 
+Every `eval_every` steps all ranks evaluate `eval_batches` global batches of held-out samples,
+forward only (`Trainer.evaluate`), and rank 0 writes an `eval` event (`eval_loss`, `eval_s`).
+
 A step whose all-reduce carried a stop request (runtime/stopping.py) is the last: the loop returns
 after it, on every rank, without the `done` event.
 
@@ -29,8 +32,11 @@ def train(
     metrics: MetricsWriter | None = None,
     after_step: Callable[[Trainer, StepResult], float] | None = None,
     progress: bool = True,
+    eval_every: int = 0,
+    eval_batches: int = 1,
 ) -> list[StepResult]:
-    """Run steps until `trainer.step == until_step` (a global step count: steps done before count)."""
+    """Run steps until `trainer.step == until_step` (a global step count: steps done before count);
+    every `eval_every` steps (0: never), the loss on `eval_batches` held-out global batches."""
     batch = trainer.plan.global_batch_size
     if metrics:
         metrics.event(
@@ -81,6 +87,17 @@ def train(
                 )
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}")
+            if eval_every and result.step % eval_every == 0:
+                started = time.perf_counter()
+                loss = trainer.evaluate(eval_batches)
+                seconds = time.perf_counter() - started
+                if metrics:
+                    metrics.event(
+                        "eval", step=result.step, eval_loss=loss, batches=eval_batches, eval_s=seconds
+                    )
+                bar.write(
+                    f"step {result.step}: eval loss {loss:.4f} ({eval_batches} batch(es), {seconds:.2f} s)"
+                )
             if result.stop:  # every rank saw the same flag in the step's all-reduce
                 break
     finally:

@@ -143,6 +143,18 @@ class PipelineSchedule(_Schedule):
             return None
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
+    def evaluate(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
+        """Forward only (call under `torch.no_grad()`): each micro-batch in turn is received, run and
+        sent on, so every wait is for an earlier stage. Returns the last stage's summed loss share."""
+        loss = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            y = self._forward(self._exchange(None, [], self.recv_fwd), batch)
+            if self.model.is_last:
+                loss = loss + y
+            else:
+                self._exchange(y, self.send_fwd, [])
+        return loss
+
     def _recv_forward(self) -> torch.Tensor | None:
         x = self._exchange(None, [], self.recv_fwd)
         return None if x is None else x.requires_grad_()
@@ -275,6 +287,43 @@ class InterleavedSchedule(_Schedule):
             self.messages_sent += 1
 
     # ---- the schedule ---------------------------------------------------------------------------
+    def evaluate(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
+        """Forward only (call under `torch.no_grad()`): micro-batch by micro-batch, chunk by chunk.
+        Every stage runs the same order, so each waits only for an earlier virtual stage, and its
+        receives are posted in the order its neighbours send (each neighbour's forwards that end
+        here, in that order)."""
+        S, v, si = self.num_stages, self.num_chunks, self.stage_index
+        order = [Op("F", i, k) for i in range(len(micro_batches)) for k in range(v)]
+        training = self.program, self.incoming
+        self.program = order
+        self.incoming = {
+            src: [op for op in order if schedule.destination(op, src, S, v) == si] for src in self.incoming
+        }
+        try:
+            return self._forward_only(micro_batches)
+        finally:
+            self.program, self.incoming = training
+
+    def _forward_only(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
+        S, v, si = self.num_stages, self.num_chunks, self.stage_index
+        self._posted = {src: {} for src in self.incoming}
+        self._cursor = dict.fromkeys(self.incoming, 0)
+        self._sending = []
+        loss = torch.zeros((), device=self.device)
+        for op in self.program:
+            i, k = op.micro_batch, op.chunk
+            x = None if self.model.starts(k) else self._receive(op)
+            y = self.model(micro_batches[i][:, :-1] if x is None else x, chunk=k)
+            if self.model.ends(k):
+                loss = loss + self.model.loss_sum(y, micro_batches[i][:, 1:]) / self.global_tokens
+            elif schedule.destination(op, si, S, v) is not None:
+                self._send(y, self.send_fwd)
+        with progress.current.waiting():
+            for work, _ in self._sending:
+                work.wait()
+        self._sending = []
+        return loss
+
     def run(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
         """As `PipelineSchedule.run`, chunk by chunk in `costmodel.schedule.program`'s order."""
         S, v, si = self.num_stages, self.num_chunks, self.stage_index

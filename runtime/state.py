@@ -168,6 +168,20 @@ def _restore_source(trainer, data: dict[str, Any]) -> None:
         raise ElastorError(
             f"The checkpoint was trained on the data file {data['path']}; pass it (or a copy) with --data."
         )
+    else:  # the same windows in the same order, or the resumed run would not be the one it continues
+        now = trainer.source.describe()
+        saved = {"shuffle_seed": data.get("shuffle_seed"), "eval_fraction": data.get("eval_fraction", 0.0)}
+        if (now["shuffle_seed"], now["eval_fraction"]) != (saved["shuffle_seed"], saved["eval_fraction"]):
+            order = (
+                "in order (--no-shuffle)"
+                if saved["shuffle_seed"] is None
+                else f"shuffled by --seed {saved['shuffle_seed']}"
+            )
+            raise ElastorError(
+                f"The checkpoint read {data['path']} {order} with --eval-fraction "
+                f"{saved['eval_fraction']:g}; resume with the same, so that its samples follow the ones "
+                "it trained on."
+            )
 
 
 def _encode(state: torch.Tensor) -> str:

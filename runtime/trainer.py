@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from costmodel.plan import Plan
 from runtime import stopping
-from runtime.data import Prefetcher, open_source, pipeline_samples
+from runtime.data import Prefetcher, fetch, open_source, pipeline_samples
 from runtime.dist_optim import MainState
 from runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, ProcessGroups
 from runtime.elastic import progress
@@ -138,6 +138,26 @@ class Trainer:
             step_time_s=time.perf_counter() - start,
             stop=stop,
         )
+
+    @torch.no_grad()
+    def evaluate(self, batches: int = 1) -> float:
+        """Mean token cross-entropy over `batches` global batches of the source's held-out samples
+        (`held_out()`), forward only, every rank of the job together; the model is not changed. Each
+        batch is split across pipelines and micro-batches exactly as a training step's is."""
+        held = self.source.held_out()
+        total = torch.zeros((), device=self.ctx.device)
+        offset, count = pipeline_samples(self.plan, self.pipeline_index)
+        for j in range(batches):
+            micro = [None] * self.plan.pipelines[self.pipeline_index].num_microbatches
+            if self.model.is_first or self.model.is_last:
+                first = j * self.plan.global_batch_size + offset
+                batch = fetch(held, first, count).to(self.ctx.device)
+                micro = list(batch.split(self.plan.micro_batch_size))
+            loss = self.schedule.evaluate(micro)
+            total += loss.float() if self.reports_loss else 0.0
+        with progress.current.waiting():
+            dist.all_reduce(total)
+        return total.item() / batches
 
     def close(self) -> None:
         """After the last step: stop the prefetcher and the optimizer's worker thread."""

@@ -59,8 +59,8 @@ def test_text_file_is_tokenised_by_bytes(tmp_path):
 @pytest.mark.parametrize(
     ("name", "content", "vocab", "sentence"),
     [
-        ("bad.txt", b"\xff\xfe\x00abc" * 10, 960, "neither a .bin file of uint16 tokens nor UTF-8 text"),
-        ("short.txt", b"abc", 960, "fewer than seq_len + 1 = 9"),
+        ("bad.txt", b"\xff\xfe\x00abc" * 10, 960, "neither a .npy or .bin token file nor UTF-8 text"),
+        ("short.txt", b"abc", 960, "fewer tokens than seq_len + 1 = 9"),
         ("small.txt", b"abcdefghijkl" * 10, 128, "tokenised by bytes (256 tokens)"),
     ],
 )

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 from dist_helpers import REPO, _group_alive, _kill_group, launch, plan_json, run_env, torchrun
 
 from costmodel import PRESETS
@@ -33,7 +34,13 @@ def _train_args(tmp, name: str, nproc: int) -> list[str]:
     """Two stages on two processes under torchrun, or the whole model in one (the reference)."""
     plan = tmp / f"plan-{nproc}.json"
     write_json(plan, TWO_STAGES if nproc == 2 else ONE_PROCESS)
-    args = ["-m", "elastor", "train", f"--plan={plan}", f"--steps={STEPS}"]
+    data = tmp / "data"  # real data, shuffled: the resumed run must read on where the stopped one left off
+    if not data.exists():
+        data.mkdir()
+        for i, size in enumerate((900, 700)):
+            tokens = np.random.default_rng(i).integers(0, MODEL["vocab_size"], size)
+            np.save(data / f"shard-{i}.npy", tokens.astype(np.uint32))
+    args = ["-m", "elastor", "train", f"--plan={plan}", f"--steps={STEPS}", f"--data={data}"]
     args += [f"--ckpt-dir={tmp / name}", "--ckpt-every=100", f"--metrics={tmp / f'{name}.jsonl'}"]
     return torchrun(nproc, *args) if nproc > 1 else [sys.executable, *args]
 

@@ -30,7 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="export file; config.json is written beside it (default: %(default)s)",
     )
     p.add_argument(
-        "--force", action="store_true", help="export over an existing export file or config.json beside it"
+        "--tokenizer",
+        help="a Hugging Face tokenizer (tokenizer.json, or a folder holding one) to write beside the export "
+        "(default: the one the checkpoint was trained with, where that file still exists)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="export over an existing export file, or config.json or tokenizer files beside it",
     )
     p.set_defaults(run=run)
 
@@ -38,7 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.action == "export":
         out = output_path(args.out)  # a bad --out fails before the checkpoint is read
-        existing = [p for p in (out, Path(args.out).parent / "config.json") if p.exists()]
+        from runtime.checkpoint.export import TOKENIZER_FILES  # export needs torch anyway
+
+        beside = [Path(args.out).parent / name for name in ("config.json", *TOKENIZER_FILES)]
+        existing = [p for p in (out, *beside) if p.exists()]
         if existing and not args.force:
             names, where = " and ".join(shown(p.name) for p in existing), shown(str(Path(args.out).parent))
             raise ElastorError(
@@ -46,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                 "export elsewhere, or pass --force to replace."
             )
     # Imported here: the checkpoint needs torch, which the other subcommands do not.
-    from runtime.checkpoint.export import export_safetensors
+    from runtime.checkpoint.export import export_safetensors, export_tokenizer
     from runtime.checkpoint.format import Manifest
     from runtime.checkpoint.store import resolve
     from runtime.checkpoint.verify import verify_checkpoint
@@ -68,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     out, config = export_safetensors(args.dir, args.out)
-    print(f"wrote {out} ({_mb(out.stat().st_size)}) and {config}")
+    written = [config, *export_tokenizer(args.dir, out.parent, args.tokenizer)]
+    print(f"wrote {out} ({_mb(out.stat().st_size)}) and {', '.join(str(p) for p in written)}")
     return 0
 
 

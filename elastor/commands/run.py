@@ -17,7 +17,7 @@ from elastor.commands.argtypes import (
     integer,
     real,
 )
-from elastor.commands.train import LR, TIMEOUT_S
+from elastor.commands.train import EVAL_BATCHES, EVAL_FRACTION, LR, TIMEOUT_S
 
 EXAMPLE = (
     "elastor run --cluster 2,2 --profile profiles/gpt-tiny-cpu.json --global-batch-size 16 --steps 40 \\\n"
@@ -25,7 +25,17 @@ EXAMPLE = (
 )
 
 # Flags passed unchanged to `elastor train` by every supervisor.
-TRAIN_FLAGS = ("data", "seed", "lr", "warmup_steps", "timeout_s")
+TRAIN_FLAGS = (
+    "data",
+    "seed",
+    "lr",
+    "warmup_steps",
+    "timeout_s",
+    "eval_fraction",
+    "eval_every",
+    "eval_batches",
+    "tokenizer",
+)
 # Rounds that may follow a failed round: enough for a handful of GPU failures in one run, few enough
 # that a cause no restart can fix stops the run in minutes.
 MAX_RESTARTS = 10
@@ -71,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="elastor", help="planning method (default: %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
     p.add_argument("--data", help="passed to `elastor train`")
+    p.add_argument("--tokenizer", help="passed to `elastor train`")
+    p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="passed to `elastor train`")
+    p.add_argument("--eval-fraction", type=EVAL_FRACTION, help="passed to `elastor train`")
+    p.add_argument("--eval-every", type=STEPS, help="passed to `elastor train`")
+    p.add_argument("--eval-batches", type=EVAL_BATCHES, help="passed to `elastor train`")
     p.add_argument("--seed", type=SEED, default=0, help=f"passed to `elastor train`, {SEED} (default: 0)")
     p.add_argument(
         "--lr", type=LR, default=3e-4, help=f"passed to `elastor train`, {LR} (default: %(default)s)"
@@ -300,20 +315,17 @@ def _supervisor_args(args) -> list[str]:
             for flag in ("etcd_cacert", "etcd_cert", "etcd_key")
             if getattr(args, flag)
         ),
-        *(
-            f"--{flag.replace('_', '-')}={getattr(args, flag)}"
-            for flag in TRAIN_FLAGS
-            if getattr(args, flag) is not None
-        ),
+        *_train_args(args),
         *(f"--inject-failure={f}" for f in args.inject_failure),
         *(f"--inject-recovery={f}" for f in args.inject_recovery),
     ]
 
 
 def _train_args(args) -> list[str]:
-    return [
+    given = [
         f"--{f.replace('_', '-')}={getattr(args, f)}" for f in TRAIN_FLAGS if getattr(args, f) is not None
     ]
+    return given if args.shuffle else [*given, "--no-shuffle"]
 
 
 def _print_report(metrics: Path) -> None:

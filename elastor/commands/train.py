@@ -11,6 +11,9 @@ from costmodel.jsonio import read_json
 from elastor.commands import subcommand
 from elastor.commands.argtypes import MAX_STEPS, SEED, STEPS, integer, real
 
+EVAL_FRACTION = real(0.0, 0.5)
+EVAL_BATCHES = integer(1, 10_000)
+
 # The optimizer's ranges, as runtime.optim.OptimConfig checks them again (torch is imported only once
 # training starts, so the flags are checked here first): a learning rate above 10 or a decay above 10
 # diverges at once, and inf or nan trains to NaN.
@@ -66,7 +69,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--data",
-        help="uint16 token file (.bin) or UTF-8 text tokenised by bytes (default: synthetic tokens)",
+        help="token data: a .npy file of uint16 or uint32 tokens, a .bin file of uint16 ones, a directory "
+        "of such shards, or UTF-8 text tokenised by bytes (default: synthetic tokens)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer (its tokenizer.json, or a folder holding one) that encodes a text "
+        "--data file (default: text is tokenised by bytes); `elastor ckpt export` writes it beside the model",
+    )
+    p.add_argument(
+        "--no-shuffle",
+        dest="shuffle",
+        action="store_false",
+        help="read --data's windows in order (default: a permutation per epoch, chosen by --seed)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=EVAL_FRACTION,
+        default=0.0,
+        help=f"hold out this last fraction of --data's windows for evaluation, {EVAL_FRACTION} (default: 0)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=STEPS,
+        default=0,
+        help="every this many steps, write the held-out loss (eval_loss) to --metrics; 0 for never "
+        "(synthetic data holds out a stream of its own)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=EVAL_BATCHES,
+        default=1,
+        help=f"global batches of held-out samples each evaluation reads, {EVAL_BATCHES} (default: 1)",
     )
     p.add_argument(
         "--seed", type=SEED, default=0, help=f"initial weights and synthetic data, {SEED} (default: 0)"
@@ -132,7 +166,17 @@ def run(args: argparse.Namespace) -> int:
     from runtime.stopping import current as stop_request
     from runtime.trainer import Trainer
 
-    source = open_source(args.data, plan.model.vocab_size, plan.seq_len, args.seed)  # errors before joining
+    source = open_source(  # errors before joining
+        args.data,
+        plan.model.vocab_size,
+        plan.seq_len,
+        args.seed,
+        shuffle=args.shuffle,
+        eval_fraction=args.eval_fraction,
+        tokenizer=args.tokenizer,
+    )
+    if args.eval_every:
+        source.held_out()  # an evaluation needs a split: say so now, not at the first evaluation
     ctx = init_distributed(plan, device=args.device, timeout_s=args.timeout_s)
     progress.current.start(ctx.device_name)  # read by `elastor run`'s hang detection
     supervised = os.environ.get(progress.ENV_DIR)
@@ -167,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
             resumed=resumed,
         )
         until = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-        results = train(trainer, until_step=until, metrics=metrics, after_step=hook)
+        results = train(
+            trainer,
+            until_step=until,
+            metrics=metrics,
+            after_step=hook,
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+        )
         hook.finish()
         stopped = bool(results) and results[-1].stop and trainer.step < until
         if stopped and metrics:

@@ -18,7 +18,7 @@ import torch
 from costmodel.config import ModelConfig
 from costmodel.jsonio import atomic_output, write_atomic
 from runtime.checkpoint.format import DTYPES, CheckpointError
-from runtime.checkpoint.load import CheckpointReader, Wanted
+from runtime.checkpoint.load import CheckpointReader, Wanted, checkpoint_meta
 
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
@@ -56,6 +56,29 @@ def hf_name(name: str) -> str:
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
     raise CheckpointError(f"Parameter {name!r} has no Hugging Face Llama name.")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def export_tokenizer(checkpoint: str | os.PathLike, folder: Path, tokenizer: str | None) -> list[Path]:
+    """Copy the tokenizer (`tokenizer`, else the one the checkpoint's data was encoded with, if that
+    file is still there) into `folder` as `tokenizer.json`, with a `tokenizer_config.json` naming the
+    fast tokenizer class, so that `transformers.AutoTokenizer.from_pretrained(folder)` loads it.
+    Returns the files written (none without a tokenizer)."""
+    from runtime.data import tokenizer_file
+
+    if tokenizer is None:
+        _, meta, _ = checkpoint_meta(checkpoint)
+        tokenizer = meta.get("data", {}).get("tokenizer")
+        if tokenizer is None or not Path(tokenizer).is_file():
+            return []
+    source = tokenizer_file(tokenizer).read_bytes()
+    written = [folder / name for name in TOKENIZER_FILES]
+    write_atomic(written[0], source, durable=True)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    write_atomic(written[1], (json.dumps(settings, indent=2) + "\n").encode(), durable=True)
+    return written
 
 
 def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Path]:
