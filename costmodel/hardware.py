@@ -1,7 +1,7 @@
 """Device kinds Elastor can plan for without measuring them.
 
 Bandwidths (`*_gbps`) are in gigabytes per second (1e9 bytes/s) per direction per GPU, the unit the
-cluster file uses. Memory follows DESIGN.md's convention of reading the nominal "80 GB" as GiB; the
+cluster file uses. Memory follows docs/DESIGN.md's convention of reading the nominal "80 GB" as GiB; the
 cost model keeps a separate safety margin for what the driver and allocator take.
 
 Sources:

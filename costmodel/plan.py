@@ -1,7 +1,7 @@
 """A training plan: pipelines on disjoint devices, their stages, and the split of the global batch.
 
 Pipelines are data-parallel replicas that may differ in stage boundaries, tensor-parallel degree per
-stage and number of micro-batches. `Plan.validate(cluster)` checks every invariant of DESIGN.md and
+stage and number of micro-batches. `Plan.validate(cluster)` checks every invariant of docs/DESIGN.md and
 works on hand-written plans; the runtime trusts nothing else.
 
 Rank order (how torchrun's ranks map to devices): nodes in natural name order (n2 before n10), and

@@ -1,6 +1,6 @@
 """Joining the job: which device this process plays, the backend, and every process group of a plan.
 
-Rank to device (DESIGN.md): torchrun numbers ranks node by node, so global rank r plays `plan.devices[r]`
+Rank to device (docs/DESIGN.md): torchrun numbers ranks node by node, so global rank r plays `plan.devices[r]`
 (nodes in plan order, on a node the healthy GPUs ascending): local rank i on a node is its i-th
 healthy GPU, and the CUDA ordinal is that GPU's id. On CPU one machine plays every node, one process
 per device. A plan whose device count differs from the world size is refused on every rank before

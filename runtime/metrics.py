@@ -1,4 +1,4 @@
-"""The metrics file of DESIGN.md: JSON lines written by rank 0, one per step and one per event.
+"""The metrics file of docs/DESIGN.md: JSON lines written by rank 0, one per step and one per event.
 
 Appended to, so a run resumed by the elastic supervisor continues the same file. Each line is flushed
 as it is written: a crash loses at most the line being written.

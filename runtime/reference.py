@@ -3,7 +3,7 @@
 Same model (`build_model`), same initial weights, same samples, same loss normalisation, same AdamW,
 clipping (torch's `clip_grad_norm_`, an implementation independent of the runtime's sharded norm)
 and learning-rate schedule, same mixed precision (runtime/precision.py: the model in the plan's dtype,
-fp32 masters). Every plan must reproduce its losses and final weights (DESIGN.md invariant 1);
+fp32 masters). Every plan must reproduce its losses and final weights (docs/DESIGN.md invariant 1);
 tests/test_runtime_parity.py holds it. `accumulation` > 1 runs the global batch as that many equal
 micro-batches instead: in fp32 the same mathematics, in bf16 another rounding of the same sums,
 which is how the bf16 tolerance of the parity tests is measured.

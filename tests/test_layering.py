@@ -1,4 +1,4 @@
-"""The dependency rule of DESIGN.md: planning (costmodel, solver) never imports torch.
+"""The dependency rule of docs/DESIGN.md: planning (costmodel, solver) never imports torch.
 
 Each check runs in a fresh interpreter, since this test process has torch loaded already.
 """

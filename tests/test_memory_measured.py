@@ -1,4 +1,4 @@
-"""The memory model against what training steps really allocate (DESIGN.md invariant 5).
+"""The memory model against what training steps really allocate (docs/DESIGN.md invariant 5).
 
 A subset of `benchmarks/memory_validation.py`'s plans (corners that have bitten before: bf16 TP
 without SP, whose head keeps an fp32 copy of the logits; a TP1 > TP2 SP > TP3 SP chain with full and

@@ -1,4 +1,4 @@
-"""`elastor train` as users run it: under torchrun, with a data file, writing the metrics of DESIGN.md."""
+"""`elastor train` as users run it: under torchrun, with a data file, writing docs/DESIGN.md's metrics."""
 
 import json
 import subprocess

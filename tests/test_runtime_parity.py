@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 1: any plan trains to the same losses and weights as one process.
+"""docs/DESIGN.md invariant 1: any plan trains to the same losses and weights as one process.
 
 Each test runs 10 optimizer steps of a plan under torchrun (gloo, CPU, up to 6 processes) and
 compares with `runtime.reference.train_reference` on the same global batch. Tolerance (fp32): every
