@@ -53,6 +53,15 @@ def test_every_document_a_file_cites_is_in_the_repository():
     """Docstrings and documents cite the design document (and the repository's other documents) by
     path: each must be in the repository, not outside it."""
     cited = re.compile(r"(?<![\w/.-])(docs/[\w./-]+\.md)")
+    outside = re.compile(r"(?<![\w/.-])DESIGN\.md")  # the design document, named without its place
+    bare = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in documents()
+        if path.name != "test_docs.py"
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert not bare, "cite docs/DESIGN.md: " + ", ".join(bare)
     missing = sorted(
         {
             f"{path.relative_to(ROOT)}: {match}"
