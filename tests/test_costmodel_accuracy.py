@@ -2,7 +2,7 @@
 and the notebook that plots its results."""
 
 import pytest
-from helpers import REPO, load_benchmark
+from helpers import load_benchmark
 
 from costmodel import PRESETS, ClusterSpec, ModelProfile, Plan
 from costmodel.estimate import CostModel
@@ -45,10 +45,3 @@ def test_the_profiler_measures_the_optimizer_step_per_layer_shard():
     assert ModelProfile.from_json(profile.to_json()) == profile
     whole = CostModel(profile, ClusterSpec.parse("1", "cpu")).stage(0, TINY.num_layers, 1, 1)
     assert whole.optimizer_s == pytest.approx(sum(layer.costs[0].optimizer_s for layer in profile.layers))
-
-
-def test_the_notebook_is_stored_without_outputs():
-    nbformat = pytest.importorskip("nbformat")
-    notebook = nbformat.read(REPO / "notebooks" / "costmodel_validation.ipynb", as_version=4)
-    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)

@@ -10,6 +10,7 @@ uneven split). The live-storage
 counter itself is checked against tensors of known size.
 """
 
+import pytest
 import torch
 from helpers import load_benchmark
 
@@ -42,10 +43,16 @@ def test_live_bytes_counts_new_storages_once_and_frees_them():
         assert live.current == 4
 
 
-def test_training_steps_never_use_more_memory_than_predicted():
+@pytest.mark.parametrize(
+    "name",
+    # the six-process chain -m slow (make test's time budget): the others keep TP, SP, recompute and
+    # interleaving in the default suite, and the benchmark runs all its plans
+    [pytest.param(n, marks=pytest.mark.slow) if n.startswith("TP1 > TP2") else n for n in SUBSET],
+)
+def test_training_steps_never_use_more_memory_than_predicted(name):
     bench = _benchmark()
-    plans = [(name, plan) for name, plan in bench.RUNTIME_PLANS if name in SUBSET]
-    assert len(plans) == len(SUBSET)
+    plans = [(n, plan) for n, plan in bench.RUNTIME_PLANS if n == name]
+    assert len(plans) == 1
     rows = bench.validate_runtime(plans)
     for row in rows:
         where = f"{row['plan']} {row['device']}"

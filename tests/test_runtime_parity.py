@@ -19,8 +19,9 @@ from runtime.optim import OptimConfig
 from runtime.reference import train_reference
 
 STEPS = 10
-# run with -m slow (make test's time budget); the others cover pipelines, TP fan-in and tied weights
-SLOW = ("pure-dp", "tp2", "tp3-tp2-vs-dp")
+# run with -m slow (make test's time budget); the others cover pipelines (three stages in the tied
+# plan), TP fan-in and tied weights
+SLOW = ("pure-dp", "three-stages", "tp2", "tp3-tp2-vs-dp")
 LOSS_RTOL = 1e-5
 PARAM_RTOL = PARAM_ATOL = 1e-5
 
