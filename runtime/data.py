@@ -9,8 +9,8 @@ micro-batches in order.
 Sources: synthetic tokens by default (a random walk over the vocabulary with steps 1, 2 or 3, so a
 model can learn it and the loss visibly falls), or token data (`TokenFile`: `.npy` uint16/uint32,
 `.bin` uint16, UTF-8 text by bytes or by a Hugging Face tokenizer, or a directory of shards), cut
-into windows of seq_len + 1
-tokens, shuffled per epoch by the seed, with an optional held-out tail for evaluation.
+into windows of seq_len + 1 tokens, shuffled per epoch by the seed, with an optional held-out tail
+for evaluation.
 
 `Prefetcher` prepares the next steps' batches on a background thread while a step runs.
 """
@@ -57,9 +57,10 @@ class TokenFile:
 
     Formats: `.npy` (a 1-D array of uint16 or uint32: numpy's self-describing header, so a Llama 3
     vocabulary of 128,256 fits), `.bin` (raw uint16, nanoGPT's), any other file as UTF-8 text
-    tokenised by bytes, or a directory whose `.npy` and `.bin` files, in name order, are the shards
-    of one stream. Each file is cut into non-overlapping windows of seq_len + 1 tokens (none crosses
-    a file's end); the windows of all shards are numbered in order.
+    tokenised by bytes or by `tokenizer` (a Hugging Face tokenizer.json), or a directory whose
+    `.npy` and `.bin` files, in name order, are the shards of one stream. Each file is cut into
+    non-overlapping windows of seq_len + 1 tokens (none crosses a file's end); the windows of all
+    shards are numbered in order.
 
     The last `eval_fraction` of the windows (at least one when it is positive) is the evaluation
     split (`held_out`), never trained on. With `shuffle_seed`, training sample i is window
@@ -109,7 +110,7 @@ class TokenFile:
             )
         self.windows, self.eval_windows = total - held, held
         self.shuffle_seed, self.eval_fraction = shuffle_seed, eval_fraction
-        self._orders: dict[int, _Permutation] = {}
+        self._order: tuple[int, _Permutation] | None = None  # the epoch sampled last, and its order
 
     def _window(self, w: int) -> np.ndarray:
         shard = int(np.searchsorted(self.starts, w, side="right")) - 1
@@ -126,9 +127,9 @@ class TokenFile:
     def sample(self, index: int) -> np.ndarray:
         epoch, i = divmod(index, self.windows)
         if self.shuffle_seed is not None:
-            if epoch not in self._orders:
-                self._orders = {epoch: _Permutation(self.windows, (self.shuffle_seed, epoch))}
-            i = self._orders[epoch](i)
+            if self._order is None or self._order[0] != epoch:
+                self._order = (epoch, _Permutation(self.windows, (self.shuffle_seed, epoch)))
+            i = self._order[1](i)
         return self._window(i)
 
     def held_out(self) -> "HeldOut":

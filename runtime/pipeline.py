@@ -267,7 +267,7 @@ class InterleavedSchedule(_Schedule):
         src = schedule.source(op, self.stage_index, S, self.num_chunks)
         virtual = op.chunk * S + self.stage_index
         wanted = Op(op.kind, op.micro_batch, (virtual - 1 if op.kind == "F" else virtual + 1) // S)
-        queue = self.incoming[src]
+        queue = self._incoming[src]
         while wanted not in self._posted[src]:
             sent = queue[self._cursor[src]]
             self._cursor[src] += 1
@@ -286,6 +286,20 @@ class InterleavedSchedule(_Schedule):
             self.bytes_sent += piece.numel() * piece.element_size()
             self.messages_sent += 1
 
+    def _begin(self, incoming: dict[int, list[Op]]) -> None:
+        """Before a pass: what each neighbour will send, in its order; nothing posted or in flight."""
+        self._incoming = incoming
+        self._posted: dict[int, dict] = {src: {} for src in incoming}
+        self._cursor = dict.fromkeys(incoming, 0)
+        self._sending: list = []
+
+    def _end(self) -> None:
+        """After a pass: wait for every send still in flight."""
+        with progress.current.waiting():
+            for work, _ in self._sending:
+                work.wait()
+        self._sending = []
+
     # ---- the schedule ---------------------------------------------------------------------------
     def evaluate(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
         """Forward only (call under `torch.no_grad()`): micro-batch by micro-batch, chunk by chunk.
@@ -294,23 +308,11 @@ class InterleavedSchedule(_Schedule):
         here, in that order)."""
         S, v, si = self.num_stages, self.num_chunks, self.stage_index
         order = [Op("F", i, k) for i in range(len(micro_batches)) for k in range(v)]
-        training = self.program, self.incoming
-        self.program = order
-        self.incoming = {
-            src: [op for op in order if schedule.destination(op, src, S, v) == si] for src in self.incoming
-        }
-        try:
-            return self._forward_only(micro_batches)
-        finally:
-            self.program, self.incoming = training
-
-    def _forward_only(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
-        S, v, si = self.num_stages, self.num_chunks, self.stage_index
-        self._posted = {src: {} for src in self.incoming}
-        self._cursor = dict.fromkeys(self.incoming, 0)
-        self._sending = []
+        self._begin(
+            {src: [op for op in order if schedule.destination(op, src, S, v) == si] for src in self.incoming}
+        )
         loss = torch.zeros((), device=self.device)
-        for op in self.program:
+        for op in order:
             i, k = op.micro_batch, op.chunk
             x = None if self.model.starts(k) else self._receive(op)
             y = self.model(micro_batches[i][:, :-1] if x is None else x, chunk=k)
@@ -318,18 +320,13 @@ class InterleavedSchedule(_Schedule):
                 loss = loss + self.model.loss_sum(y, micro_batches[i][:, 1:]) / self.global_tokens
             elif schedule.destination(op, si, S, v) is not None:
                 self._send(y, self.send_fwd)
-        with progress.current.waiting():
-            for work, _ in self._sending:
-                work.wait()
-        self._sending = []
+        self._end()
         return loss
 
     def run(self, micro_batches: list[torch.Tensor | None]) -> torch.Tensor:
         """As `PipelineSchedule.run`, chunk by chunk in `costmodel.schedule.program`'s order."""
         S, v, si = self.num_stages, self.num_chunks, self.stage_index
-        self._posted = {src: {} for src in self.incoming}
-        self._cursor = dict.fromkeys(self.incoming, 0)
-        self._sending: list = []
+        self._begin(self.incoming)
         alive: dict[tuple[int, int], tuple] = {}
         loss = torch.zeros((), device=self.device)
         for op in self.program:
@@ -353,8 +350,5 @@ class InterleavedSchedule(_Schedule):
                 torch.autograd.backward(y, grad)
                 if x is not None:
                     self._send(x.grad, self.send_bwd)
-        with progress.current.waiting():
-            for work, _ in self._sending:
-                work.wait()
-        self._sending = []
+        self._end()
         return loss

@@ -83,7 +83,7 @@ class StopRequest:
             try:
                 self.signum = int(path.read_text().strip() or signal.SIGTERM)
             except (FileNotFoundError, ValueError):
-                threading.Event().wait(POLL_S)
+                time.sleep(POLL_S)
 
 
 def request_stop(folder: Path, signum: int) -> None:

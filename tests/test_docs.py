@@ -32,14 +32,19 @@ def documents() -> list[Path]:
     return [p for p in files if p.is_file()]
 
 
-def test_no_file_refers_to_a_tracker_issue():
-    found = [
+def lines_matching(pattern: re.Pattern) -> list[str]:
+    """`path:line: text` of every line of the documents (this file aside) that `pattern` finds."""
+    return [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in documents()
         if path.name != "test_docs.py"
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if TRACKER.search(line)
+        if pattern.search(line)
     ]
+
+
+def test_no_file_refers_to_a_tracker_issue():
+    found = lines_matching(TRACKER)
     assert not found, "\n".join(found)
 
 
@@ -54,14 +59,8 @@ def test_every_document_a_file_cites_is_in_the_repository():
     path: each must be in the repository, not outside it."""
     cited = re.compile(r"(?<![\w/.-])(docs/[\w./-]+\.md)")
     outside = re.compile(r"(?<![\w/.-])DESIGN\.md")  # the design document, named without its place
-    bare = [
-        f"{path.relative_to(ROOT)}:{n}"
-        for path in documents()
-        if path.name != "test_docs.py"
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if outside.search(line)
-    ]
-    assert not bare, "cite docs/DESIGN.md: " + ", ".join(bare)
+    bare = lines_matching(outside)
+    assert not bare, "cite docs/DESIGN.md:\n" + "\n".join(bare)
     missing = sorted(
         {
             f"{path.relative_to(ROOT)}: {match}"
