@@ -8,8 +8,16 @@ and writes in the background); a failure before then loses it.
 The defaults, each an order of magnitude to be replaced by measurements (`--costs costs.json` with
 any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks measure them, and
 `elastor run` writes what it measured as `<metrics stem>-costs.json`, runtime.elastic.report):
-- detect_s 10: the control plane of the Elastor paper (heartbeats every 5 s, a 10 s timeout). A job
-  that waits for a NCCL watchdog instead detects failures in minutes.
+- detection follows Elastor's own control plane (runtime/elastic) at `elastor run`'s default flags,
+  as `benchmarks/recovery_bench.py` measures it (README, Elastic recovery: a killed worker noticed
+  in 0.66 s; a lost host in the lease plus under a heartbeat; a frozen worker in the hang timeout
+  plus under a progress period):
+  - detect_s 20.5, a GPU or a job failure: the worker either ends (noticed in under a second) or
+    hangs (noticed after `--hang-timeout-s` 20 s plus the 0.5 s progress period). The Llama 3
+    report does not say which of its failures ended processes, so the default takes the slower
+    case, an upper bound.
+  - detect_node_s 11, a lost host: `--lease-s` 10 s plus the 1 s heartbeat period.
+  A job that waits for a NCCL watchdog instead detects failures in minutes.
 - plan_s 1: the solver's re-planning target (re-planning <= 1 s; README, Solver).
 - restart_s 120: relaunching processes, rendezvous and building NCCL communicators on thousands of
   GPUs. An assumption; for scale, FlashRecovery (arXiv:2509.03047) reports restoring training on
@@ -29,7 +37,12 @@ from typing import Any
 from costmodel import ElastorError, ModelConfig
 from costmodel.jsonio import is_number
 
-DETECT_S = 10.0
+# elastor run's defaults (elastor/commands/run.py; a test holds them equal) and the periods of its
+# heartbeats (runtime/elastic/rendezvous.py) and progress records (runtime/elastic/progress.py).
+HANG_TIMEOUT_S, PROGRESS_PERIOD_S = 20.0, 0.5
+LEASE_S, HEARTBEAT_S = 10.0, 1.0
+DETECT_S = HANG_TIMEOUT_S + PROGRESS_PERIOD_S
+DETECT_NODE_S = LEASE_S + HEARTBEAT_S
 PLAN_S = 1.0
 RESTART_S = 120.0
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -43,7 +56,8 @@ RESHARD_FACTOR = 1.2
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryCosts:
-    detect_s: float = DETECT_S
+    detect_s: float = DETECT_S  # a GPU or a job failure
+    detect_node_s: float = DETECT_NODE_S  # a lost host
     plan_s: float = PLAN_S
     restart_s: float = RESTART_S
     load_s: float = 0.0  # the checkpoint into the same layout

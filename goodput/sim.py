@@ -8,8 +8,9 @@ which cancels every job event scheduled before it.
 
 Phases: train -> (checkpoint due) stall -> train ...; a failure of a GPU the job uses (or of its node,
 or a job-scope crash on it) rolls progress back to the newest *durable* checkpoint and runs
-detect -> [wait] -> plan -> restart -> load -> train. A failure during plan/restart/load of a GPU the
-new configuration uses starts recovery over from detect. Scale-up (policies that grow back) happens at
+detect -> [wait] -> plan -> restart -> load -> train, detection taking a lost host's time or a GPU's
+and a job's (goodput.costs). A failure during plan/restart/load of a GPU the new configuration uses
+starts recovery over from detect. Scale-up (policies that grow back) happens at
 a checkpoint: a blocking save (stall, then the background write), then plan -> restart -> load. It is
 taken when the throughput gained over one mean time between failures exceeds what the restart costs.
 
@@ -222,7 +223,7 @@ class Simulation:
             return
         hit = active.in_use[node].any() if scope == NODE else active.in_use[node, gpu]
         if hit:
-            self._interrupt()
+            self._interrupt(self.costs.detect_node_s if scope == NODE else self.costs.detect_s)
 
     def _active_config(self) -> Config | None:
         """The configuration a failure can hit now: running, being saved, or being started."""
@@ -232,7 +233,7 @@ class Simulation:
             return self.starting
         return None  # detect or wait: already down
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, detect_s: float) -> None:
         self.counts["interruptions"] += 1
         self.recomputed_steps += self.progress - self.durable
         self.progress = self.durable
@@ -242,7 +243,7 @@ class Simulation:
         self.epoch += 1
         self.pending_phases = []
         self._enter("detect")
-        self._push(self.t + self.costs.detect_s, PHASE_END)
+        self._push(self.t + detect_s, PHASE_END)
 
     def _on_repair(self, i: int) -> None:
         tr = self.trace

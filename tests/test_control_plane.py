@@ -16,6 +16,8 @@ from dist_helpers import free_port
 from etcd_helpers import OPENSSL, etcd_cluster, etcd_server, make_certs, needs_etcd
 
 from costmodel.errors import ElastorError
+from elastor.commands import run as run_command
+from goodput import costs as goodput_costs
 from runtime.elastic import faults, progress
 from runtime.elastic.faults import Fault
 from runtime.elastic.launch import failure_excerpt
@@ -235,13 +237,22 @@ def test_a_failure_the_supervisors_found_is_timed_from_when_it_happened():
     ]
     (found,) = recoveries(records)
     costs = measured_costs([*records, {"step": 2, "loss": 1.0, "ckpt_stall_s": 0.3, "time_s": 22.0}])
+    # A lost host's detection is its own cost (the goodput simulator applies it to host failures).
     assert costs == pytest.approx(
-        {"detect_s": 4.0, "plan_s": 0.2, "restart_s": 5.8, "reshard_load_s": 1.0, "ckpt_stall_s": 0.3}
+        {"detect_node_s": 4.0, "plan_s": 0.2, "restart_s": 5.8, "reshard_load_s": 1.0, "ckpt_stall_s": 0.3}
     )
+    assert found.cause == "lost"
     assert found.phases_s["detect"] == pytest.approx(4.0)
     assert found.phases_s["rendezvous"] == pytest.approx(0.8)
     assert found.total_s == pytest.approx(11.0)
     assert (found.devices_before, found.devices_after) == (3, 2)
+
+
+def test_the_goodput_simulators_detection_follows_elastor_runs_defaults():
+    assert goodput_costs.HANG_TIMEOUT_S == run_command.HANG_TIMEOUT_S
+    assert goodput_costs.LEASE_S == run_command.LEASE_S
+    assert goodput_costs.HEARTBEAT_S == HEARTBEAT_S
+    assert goodput_costs.PROGRESS_PERIOD_S == progress.PUBLISH_S
 
 
 # ---- etcd: an elected leader ---------------------------------------------------------------------

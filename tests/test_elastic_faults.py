@@ -229,7 +229,9 @@ def _listening(pid: int) -> set[str]:
 def test_sigterm_stops_every_worker_after_a_step_with_a_checkpoint_and_the_rerun_resumes(
     tmp_path, profile_path, to
 ):
-    steps, at = 12, random.Random().randint(2, 7)
+    # Enough steps after the signal for the stop to land first: a quiet machine trains gpt-tiny at
+    # 20 steps a second, and the request reaches the workers through a 0.2 s poll.
+    steps, at = 60, random.Random().randint(2, 7)
     with _Run(tmp_path, profile_path, "1,1", steps) as run:
         run.wait_for_step(at)
         target = run.launcher.pid if to == "launcher" else run.supervisor("n1")

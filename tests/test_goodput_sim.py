@@ -19,7 +19,14 @@ def linear_oracle(sig):
 
 
 COSTS = RecoveryCosts(
-    detect_s=10, plan_s=1, restart_s=20, load_s=5, reshard_load_s=6, ckpt_stall_s=2, ckpt_background_s=3
+    detect_s=10,
+    detect_node_s=15,
+    plan_s=1,
+    restart_s=20,
+    load_s=5,
+    reshard_load_s=6,
+    ckpt_stall_s=2,
+    ckpt_background_s=3,
 )
 
 
@@ -123,9 +130,19 @@ def test_spare_nodes_swap_in_a_spare_and_keep_the_layout():
     s = study(gpus_per_node=(4, 4, 4))
     r = run(s, "spare-nodes:1", [(250.0, "gpu", 0, 1, 1e6)], interval_s=100.0)
     assert r.lost_samples()["restart"] == pytest.approx((10 + 20 + 5) * 120, rel=1e-12)
-    # A second failure on the training nodes finds no healthy spare: wait (here until the horizon).
+    # A second failure on the training nodes finds no healthy spare: wait (here until the horizon)
+    # once the lost host is detected (15 s).
     r2 = run(s, "spare-nodes:1", [(250.0, "gpu", 0, 1, 1e6), (300.0, "node", 1, -1, 1e6)], interval_s=100.0)
-    assert r2.phase_s["wait"] == pytest.approx(400 - 300 - 10)
+    assert r2.phase_s["wait"] == pytest.approx(400 - 300 - 15)
+
+
+def test_a_lost_host_is_detected_in_its_own_time():
+    # As test_one_gpu_failure_costs_recomputation_stall_restart_and_load, but the whole of n1 is lost
+    # at 250: detected after detect_node_s 15, then plan 1, restart 20, reshard load 6: 4 GPUs from 292.
+    r = run(study(), "elastor", [(250.0, "node", 1, -1, 1e6)])
+    assert r.phase_s["detect"] == pytest.approx(15.0)
+    assert r.lost_samples()["restart"] == pytest.approx((15 + 1 + 20 + 6) * 80, rel=1e-12)
+    assert r.lost_samples()["degraded"] == pytest.approx((80 - 40) * (400 - 292), rel=1e-12)
 
 
 def test_elastor_scales_back_up_at_the_next_checkpoint():

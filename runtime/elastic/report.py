@@ -28,6 +28,7 @@ from costmodel.table import format_table
 @dataclass(frozen=True)
 class Recovery:
     kind: str  # "failure" or "scale-up"
+    cause: str | None  # a failure's, as the supervisors found it: "worker", "lost" (a host) or "hung"
     step: int  # the step training resumed from
     devices_before: int
     devices_after: int
@@ -131,6 +132,7 @@ def _failure(records, i: int, devices: int | None, failed_s: float) -> list[Reco
     return [
         Recovery(
             kind="failure",
+            cause=records[detected].get("cause"),
             step=records[restored]["step"],
             devices_before=devices or 0,
             devices_after=records[replanned]["devices"],
@@ -153,6 +155,7 @@ def _scale_up(records, i: int, devices: int) -> list[Recovery]:
     return [
         Recovery(
             kind="scale-up",
+            cause=None,
             step=records[i]["step"],
             devices_before=devices,
             devices_after=records[i]["devices"],
@@ -194,7 +197,8 @@ def format_recoveries(found: list[Recovery]) -> str:
 def measured_costs(records: list[dict[str, Any]]) -> dict[str, float]:
     """What this run measured of the costs `elastor simulate --costs` reads (goodput.costs), medians
     over its failure recoveries and checkpoints; fields with nothing measured are left out:
-        detect_s          = detect
+        detect_s          = detect of a failed or hung worker
+        detect_node_s     = detect of a lost host
         plan_s            = plan (the solver)
         restart_s         = rendezvous + restart + first step (from the decision to training again)
         reshard_load_s    = load (every recovery loads into a new plan)
@@ -205,7 +209,12 @@ def measured_costs(records: list[dict[str, Any]]) -> dict[str, float]:
     costs: dict[str, float] = {}
     if failures:
         ph = [r.phases_s for r in failures]
-        costs["detect_s"] = statistics.median(p["detect"] for p in ph)
+        for field, found in (
+            ("detect_s", [r for r in failures if r.cause != "lost"]),
+            ("detect_node_s", [r for r in failures if r.cause == "lost"]),
+        ):
+            if found:
+                costs[field] = statistics.median(r.phases_s["detect"] for r in found)
         costs["plan_s"] = statistics.median(p["plan"] for p in ph)
         costs["restart_s"] = statistics.median(p["rendezvous"] + p["restart"] + p["first step"] for p in ph)
         costs["reshard_load_s"] = statistics.median(p["load"] for p in ph)
