@@ -56,6 +56,7 @@ node-drop (Elastor's search on the fully healthy nodes) and pow2-greedy.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -80,6 +81,7 @@ from solver.core import (
 )
 from solver.diagnose import infeasible_reason
 from solver.memo import IdentityMemo
+from solver.skeletons import block_uniform
 from solver.stages import stage_table
 from solver.templates import fewest_gpus
 
@@ -398,10 +400,39 @@ def _elastor(
     in the family with its pipelines, when there is none). The node-drop baseline is one of them: a
     family of the search space is not closed under adding GPUs (on 255 full nodes and one of 7 GPUs
     it can miss the plan it finds on the 255 full nodes alone), and Elastor must never lose to
-    dropping the partial nodes."""
+    dropping the partial nodes.
+
+    With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
+    first, then the search without them, seeded with its plan: the second looks only for a plan
+    faster than the first's, so a search with chunks, a larger space that may stop at its time
+    limit, never returns a plan slower than the search without them; where interleaving wins, the
+    second search is mostly settled by its bound."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     complete = (limits or plan_limits(profile, capacities)).complete
     found = [] if complete else _baseline_plans(profile, cluster, gbs, sizes, time_limit_s, limits, mode)
+    search_with = functools.partial(
+        _seeded_search, profile, cluster, gbs, sizes, time_limit_s, limits, upper_bound_s=upper_bound_s
+    )
+    plain = dataclasses.replace(mode, interleave=False)
+    if not mode.interleave or not block_uniform(profile):
+        return search_with(plain, found, progress=progress)
+    chunked = search_with(mode, found, progress=progress)
+    if chunked.plan is not None:
+        found = [*found, (chunked.objective_s, chunked.plan)]
+    outcome = search_with(plain, found, progress=progress)
+    return dataclasses.replace(
+        outcome,
+        bound_s=min(outcome.bound_s, chunked.bound_s),
+        proven=outcome.proven and chunked.proven,
+        num_templates=outcome.num_templates + chunked.num_templates,
+    )
+
+
+def _seeded_search(
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, *, upper_bound_s, progress
+) -> Outcome:
+    """Elastor's search of pass `mode` seeded with the (step time, plan) pairs `found`: their
+    pipelines join the templates and the best of them bounds the search (`_elastor`)."""
     best = min(found, key=lambda f: f[0], default=None)
     outcome = search(
         profile,

@@ -1,6 +1,8 @@
 """The solver's interleaved templates (solver/interleave.py) against the cost model's estimate of the
 plans they become, and what choosing chunks buys."""
 
+import dataclasses
+
 import pytest
 
 import solver
@@ -72,3 +74,26 @@ def test_choosing_chunks_is_never_slower_and_cuts_the_bubble(p7):
     assert chunked.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-12)
     assert max(p.num_chunks for p in chunked.pipelines) > 1
     assert chunked.predicted["step_time_s"] < plain.predicted["step_time_s"]
+
+
+def test_a_chunked_search_stopped_by_its_time_limit_never_returns_a_slower_plan(p7, monkeypatch):
+    """The search with chunks is a larger space that may stop at its time limit holding a poor plan;
+    the search without chunks then runs bounded by it, so the answer is never slower than the plan
+    found without chunks, and it says it is not proven."""
+    cluster = ClusterSpec.parse("4,4,4", p7.device_kind)
+    plain = solver.solve(p7, cluster, 16)
+    poor = solver.solve(p7, ClusterSpec.parse("4", p7.device_kind), 16)  # one node of the three
+    poor_s = CostModel(p7, cluster).estimate(poor).step_time_s
+    assert poor_s > plain.predicted["step_time_s"] * 1.01
+    search = solver.search
+
+    def stopped_early(*args, mode, **kwargs):
+        if not mode.interleave:
+            return search(*args, mode=mode, **kwargs)
+        found = search(*args, mode=mode, **kwargs)
+        return dataclasses.replace(found, plan=poor, objective_s=poor_s, proven=False)
+
+    monkeypatch.setattr(solver, "search", stopped_early)
+    chunked = solver.solve(p7, cluster, 16, interleave=True)
+    assert chunked.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-12)
+    assert chunked.solver["status"] == "FEASIBLE"
