@@ -11,9 +11,12 @@ roles swap. So a TP1 stage feeding a sequence-parallel TP4 stage sends each rece
 whole-needing TP B stage sends receiver j everything from rank j mod A.
 
 Torch-free: the runtime posts exactly these transfers, and tests/test_runtime_bytes.py holds the bytes
-on the sockets to them.
+on the sockets to them. The cost model prices a boundary by its busiest rank (`busiest_shares`): the
+most any one rank sends or receives of it, since a rank's link carries its own messages one after
+another, and the exchange ends when the busiest rank's does.
 """
 
+import functools
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -55,3 +58,22 @@ def routes(holds: list[tuple[int, int]], needs: list[tuple[int, int]]) -> list[T
 
 def stage_ranges(seq_len: int, tp_degree: int, sequence_parallel: bool) -> list[tuple[int, int]]:
     return [token_range(seq_len, tp_degree, r, sequence_parallel) for r in range(tp_degree)]
+
+
+@functools.lru_cache(maxsize=4096)
+def busiest_shares(seq_len: int, front: tuple[int, bool], back: tuple[int, bool]) -> tuple[float, float]:
+    """The share of one boundary activation that its busiest rank sends or receives, forward (front
+    stage to back) and backward (the gradient, back to front), for stages of (TP degree, sequence
+    parallel). Equal sequence-parallel stages move a 1/t slice per rank; a TP 4 stage feeding TP 1
+    has the receiver take the whole activation (1, where the sender's slice is 1/4); a whole-holding
+    TP 1 stage feeding whole-needing TP 4 sends it four times (4)."""
+    holds, needs = stage_ranges(seq_len, *front), stage_ranges(seq_len, *back)
+    return _busiest(holds, needs) / seq_len, _busiest(needs, holds) / seq_len
+
+
+def _busiest(holds: list[tuple[int, int]], needs: list[tuple[int, int]]) -> int:
+    sent, received = [0] * len(holds), [0] * len(needs)
+    for t in routes(holds, needs):
+        sent[t.src] += t.tokens
+        received[t.dst] += t.tokens
+    return max(*sent, *received)

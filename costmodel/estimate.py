@@ -75,6 +75,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from costmodel import analytic, flops, schedule
+from costmodel.boundary import busiest_shares
 from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s, reduce_scatter_s
 from costmodel.errors import ElastorError
@@ -566,12 +567,19 @@ class CostModel:
             for k, (a, b) in enumerate(stage.chunks)
         ]
 
-    def p2p_s(self, stage: StageCost, inter_node: bool) -> float:
-        """Sending one micro-batch's boundary activation (or its gradient) to the next stage: the
-        bytes one rank holds of it (its sequence slice under SP, in the plan's dtype). The planner's
-        tables know the sender only; what the routes of `costmodel.boundary` add for fan-out to
-        receivers of other TP degrees is not priced."""
-        return p2p_s(stage.boundary_bytes, self.link("p2p", inter_node))
+    def exchange_s(self, front: StageCost, back_tp: int, back_sp: bool, inter_node: bool):
+        """One micro-batch's exchange across the boundary from stage `front` to a stage of TP degree
+        `back_tp` (sequence parallel or not), the mean of the forward send of the activation and the
+        backward send of its gradient (1F1B does each once per micro-batch, so twice this is their
+        sum): each the bytes of its busiest rank (`costmodel.boundary.busiest_shares`: the routes
+        the runtime posts, with fan-out to receivers of other TP degrees and sequence slices), in
+        the plan's dtype. Works on a table of stages too (the solver's, `boundary_bytes` an array)."""
+        whole = front.boundary_bytes * (front.tp if front.sequence_parallel else 1)
+        fwd, bwd = busiest_shares(
+            self.profile.seq_len, (front.tp, front.sequence_parallel), (back_tp, back_sp)
+        )
+        via = self.link("p2p", inter_node)
+        return (p2p_s(whole * fwd, via) + p2p_s(whole * bwd, via)) / 2
 
     def sync(
         self,
@@ -624,12 +632,15 @@ class CostModel:
         for pipe in plan.pipelines:
             costs = [self.stage_of(st, mbs) for st in pipe.stages]
             S, v = len(pipe.stages), pipe.num_chunks
-            p2p = [self.p2p_s(costs[si], _crosses_nodes(pipe, si)) for si in range(S - 1)]
+            p2p = [
+                self.exchange_s(costs[si], *_receiver(pipe.stages[si + 1]), _crosses_nodes(pipe, si))
+                for si in range(S - 1)
+            ]
             fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]
             if v == 1:
                 time_s = pipeline_time_s(fwd, bwd, p2p, pipe.num_microbatches)
             else:  # the wrap-around link carries chunk k's output of the last stage to the first
-                wrap = self.p2p_s(costs[-1], _crosses_nodes(pipe, S - 1, 0))
+                wrap = self.exchange_s(costs[-1], *_receiver(pipe.stages[0]), _crosses_nodes(pipe, S - 1, 0))
                 time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v)
             buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
             sync = self.sync(
@@ -690,6 +701,11 @@ def _whole(nbytes):
 
 def _total(state: StateBytes) -> int:
     return state.masters + state.grads + state.moments + state.steps + state.gather
+
+
+def _receiver(stage: Stage) -> tuple[int, bool]:
+    """A stage's TP degree and whether it splits the sequence: what a boundary into it moves."""
+    return stage.tp_degree, stage.sequence_parallel and stage.tp_degree > 1
 
 
 def _crosses_nodes(pipe: Pipeline, si: int, to: int | None = None) -> bool:

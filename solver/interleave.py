@@ -68,9 +68,9 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
             return None
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
     inner = sum(exchanges_s(tables, stages, template.runs))
-    last_tp = stages[-1][2]
-    same_run = template.runs[0] == template.runs[-1]
-    wrap = (tables[last_tp].p2p_intra_s if same_run else tables[last_tp].p2p_inter_s)[stages[-1][0] + 1]
+    # chunk k of the last stage feeds chunk k + 1 of the first: its one-layer chunk's exchange
+    crosses = template.runs[0] != template.runs[-1]
+    wrap = tables[stages[-1][2]].exchange_s[(stages[0][2], crosses)][stages[-1][0] + 1]
     slowest = max(work)
     steady = 2 * v / S * inner
     return dataclasses.replace(

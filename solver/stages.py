@@ -12,8 +12,8 @@ What a stage receives and keeps of its input is its first layer's, of its output
 `tests/test_solver_stages.py` holds every entry equal to `CostModel.stage`.
 
 The combined fields are numpy arrays indexed [s, e], wrapped in a `StageCost` so that its own methods
-(`fwd_s`, `memory_bytes`, ...) and the cost model's `p2p_s` compute on them: the formulas stay in
-`costmodel/estimate.py`.
+(`fwd_s`, `memory_bytes`, ...) and the cost model's `exchange_s` compute on them: the formulas stay
+in `costmodel/estimate.py`.
 """
 
 import json
@@ -40,7 +40,8 @@ class StageTable:
     params[s][e]: parameters the device holds (sets gradient-sync and optimizer time).
     max_in_flight[s][e]: the most micro-batches whose activations fit next to everything else the
         stage keeps (NO_FIT if none); 1F1B makes stage s of p hold p - s of them.
-    p2p_intra_s[e], p2p_inter_s[e]: sending one micro-batch's boundary from a stage ending at e.
+    exchange_s[(t, inter)][e]: one micro-batch's exchange across the boundary from a stage ending at
+        e to a stage of TP degree t, inside a node or across nodes (`CostModel.exchange_s`).
     bwd_s[s][e]: backward per micro-batch (the window its gradient reduction overlaps).
     """
 
@@ -49,8 +50,7 @@ class StageTable:
     time_s: list[list[float]]
     params: list[list[int]]
     max_in_flight: list[list[int]]
-    p2p_intra_s: list[float]
-    p2p_inter_s: list[float]
+    exchange_s: dict[tuple[int, bool], list[float]]
     optimizer_s: list[list[float]]
     bwd_s: list[list[float]]
     bucket_bytes: int  # of the gradient buckets (the plans' optimizer layout)
@@ -71,10 +71,10 @@ def sync_terms(
 def exchanges_s(
     tables: dict[int, StageTable], stages: Sequence[tuple[int, int, int]], runs: Sequence[int]
 ) -> list[float]:
-    """Each stage boundary's point-to-point time: stages are (start, end, tp) front to back, runs
-    their node runs (intra-node links inside a run, inter-node between runs)."""
+    """Each stage boundary's exchange time: stages are (start, end, tp) front to back, runs their
+    node runs (intra-node links inside a run, inter-node between runs)."""
     return [
-        (tables[tp].p2p_intra_s if runs[i] == runs[i + 1] else tables[tp].p2p_inter_s)[end]
+        tables[tp].exchange_s[(stages[i + 1][2], runs[i] != runs[i + 1])][end]
         for i, (_, end, tp) in enumerate(stages[:-1])
     ]
 
@@ -155,8 +155,13 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         time_s=np.asarray(grid.fwd_s + grid.bwd_s).tolist(),
         params=np.rint(np.asarray(grid.param_count)).astype(np.int64).tolist(),
         max_in_flight=fits.tolist(),
-        p2p_intra_s=np.asarray(cm.p2p_s(grid, inter_node=False))[0].tolist(),
-        p2p_inter_s=np.asarray(cm.p2p_s(grid, inter_node=True))[0].tolist(),
+        exchange_s={
+            (back, inter): np.asarray(cm.exchange_s(grid, back, cm.sequence_parallel(back), inter))[
+                0
+            ].tolist()
+            for back in cm.profile.tp_degrees()
+            for inter in (False, True)
+        },
         optimizer_s=np.asarray(grid.optimizer_s).tolist(),
         bwd_s=np.asarray(grid.bwd_s).tolist(),
         bucket_bytes=cm.optimizer.bucket_bytes,

@@ -19,16 +19,18 @@ footprint is the multiset of its runs' GPU counts: the master problem packs runs
 Dynamic program (labels, built from the back of the pipeline, because stage s of p keeps p - s
 micro-batches in flight and that count is known from the back):
 
-    state      (l, k, R, u): layers [l, L) are covered by k stages; R is the sorted tuple of the GPU
-               counts of completed runs, u the GPUs of the run holding the front-most stage so far.
+    state      (l, k, R, u, h): layers [l, L) are covered by k stages; R is the sorted tuple of the
+               GPU counts of completed runs, u the GPUs of the run holding the front-most stage so
+               far, h that stage's TP degree (the exchange into it depends on it).
     label      (A, M, W, O, E) of one partial pipeline in that state, plus its stages; M covers the
                stages behind the front one, E is the front stage's F + B + c (its exchange with
                the stage behind it; the one in front of it is not known yet).
-    base case  the last stage [s, L) at TP t: state (s, 1, (), t), label (F+B, 0, params, opt, F+B),
+    base case  the last stage [s, L) at TP t: state (s, 1, (), t, t), label (F+B, 0, params, opt, F+B),
                if its memory with 1 micro-batch in flight fits.
     transition prepend stage [s, l) at TP t whose memory fits with k + 1 micro-batches in flight:
-               same node   (s, k+1, R, u+t),               c = c_intra(l), if u+t fits a node
-               new node    (s, k+1, sorted(R + (u,)), t),  c = c_inter(l)
+               same node   (s, k+1, R, u+t, t),               c = c_intra(l, t -> h), if u+t fits
+               new node    (s, k+1, sorted(R + (u,)), t, t),  c = c_inter(l, t -> h)
+               (c: `CostModel.exchange_s`, the busiest rank's bytes across the boundary)
                A += F+B + 2c, M = max(M, E + c), E = F+B + c, W = max(W, params), O = max(O, opt).
     keep       per state, the labels no other label beats in all of A, M, W, O and E (Pareto set): a
                label beaten in all five can only lead to pipelines beaten in all of A, M, W and O.
@@ -191,10 +193,10 @@ def generate(
                 if time + rest[s] > time_bound_s:
                     continue
                 label = (time, 0.0, tab.params[s][L], tab.optimizer_s[s][L], time, ((s, L, t, True), None))
-                _insert(states[s].setdefault((1, (), t), []), label)
+                _insert(states[s].setdefault((1, (), t, t), []), label)
 
     for ell in range(L - 1, 0, -1):
-        for (k, runs, u), labels in states[ell].items():
+        for (k, runs, u, head), labels in states[ell].items():
             if k >= stage_limit:
                 continue
             used = sum(runs) + u
@@ -204,10 +206,10 @@ def generate(
                 tab = tables[t]
                 moves = []
                 if u + t <= largest and packer.fits((*runs, u + t)):
-                    moves.append(((k + 1, runs, u + t), tab.p2p_intra_s[ell], True))
+                    moves.append(((k + 1, runs, u + t, t), tab.exchange_s[(head, False)][ell], True))
                 if len(runs) + 1 < run_limit and packer.fits((*runs, u, t)):
-                    key = (k + 1, tuple(sorted((*runs, u), reverse=True)), t)
-                    moves.append((key, tab.p2p_inter_s[ell], False))
+                    key = (k + 1, tuple(sorted((*runs, u), reverse=True)), t, t)
+                    moves.append((key, tab.exchange_s[(head, True)][ell], False))
                 if not moves:
                     continue
                 for s in range(ell):
@@ -226,7 +228,7 @@ def generate(
                             _insert(target, (a2, m2, w2, o2, e2, ((s, ell, t, same), chain)))
 
     found: dict[tuple, list[Template]] = {}
-    for (k, runs, u), labels in states[0].items():
+    for (k, runs, u, _), labels in states[0].items():
         footprint = tuple(sorted((*runs, u), reverse=True))
         for a, m, w, o, e, chain in labels:
             found.setdefault((footprint, k), []).append(_template(tables, chain, a, max(m, e), w, o))

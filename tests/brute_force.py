@@ -72,7 +72,12 @@ def _score(cm: CostModel, stages, usage, mbs: int, max_m: int) -> Candidate | No
     for i, c in enumerate(costs):  # memory with p - i micro-batches in flight (any m >= p)
         if sum(c.memory_bytes(in_flight(i, p, p)).values()) > cm.usable_memory_bytes:
             return None
-    p2p = [cm.p2p_s(costs[i], stages[i][3] != stages[i + 1][3]) for i in range(p - 1)]
+    p2p = [
+        cm.exchange_s(
+            costs[i], costs[i + 1].tp, costs[i + 1].sequence_parallel, stages[i][3] != stages[i + 1][3]
+        )
+        for i in range(p - 1)
+    ]
     times = {
         m: pipeline_time_s([c.fwd_s for c in costs], [c.bwd_s for c in costs], p2p, m)
         for m in range(p, max_m + 1)

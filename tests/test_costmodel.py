@@ -8,6 +8,7 @@ from reference_1f1b import simulate_1f1b
 from synthetic import synthetic_profile
 
 from costmodel import PRESETS, ClusterSpec, ElastorError, Pipeline, Plan, Stage
+from costmodel.boundary import busiest_shares
 from costmodel.comm import Link, all_gather_s, all_reduce_s
 from costmodel.estimate import (
     FP32_BYTES,
@@ -209,6 +210,44 @@ def test_a_plan_that_does_not_fit_is_flagged():
     cluster = ClusterSpec.parse("1", "A100-40GB")  # 6.7e9 params x 16 bytes is far above 40 GiB
     plan = _plan([(1, [((0, big.num_layers), ["n0:0"])])], mbs=1, config=big)
     assert not CostModel(profile, cluster).estimate(plan).fits
+
+
+# ---- stage boundaries -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("front", "back", "shares"),
+    [
+        ((4, True), (4, True), (1 / 4, 1 / 4)),  # equal slices: each rank moves its own quarter
+        ((1, False), (4, True), (1, 1)),  # the TP1 rank sends four quarters; backward takes them back
+        ((4, True), (1, False), (1, 1)),  # the TP1 rank receives the four quarters
+        ((2, True), (4, True), (1 / 2, 1 / 2)),  # each TP2 rank sends its half as two quarters
+        ((8, True), (2, True), (1 / 2, 1 / 2)),  # each TP2 rank receives a half from four ranks
+        ((1, False), (4, False), (4, 1)),  # no sequence split: four whole copies from the one rank
+    ],
+)
+def test_a_boundary_is_priced_by_its_busiest_rank(front, back, shares):
+    """The busiest rank's share of the activation, forward and backward, counted from the routes
+    the runtime posts (`costmodel.boundary`, held to the sockets by tests/test_runtime_bytes.py)."""
+    assert busiest_shares(64, front, back) == pytest.approx(shares)
+
+
+def test_an_exchange_into_fewer_ranks_costs_what_the_receiver_takes():
+    """A TP4 stage feeding TP1: the receiver takes the whole activation (four quarters), not the
+    quarter one sender holds; the reverse boundary is the same. Equal stages keep the sender's slice."""
+    cm = CostModel(synthetic_profile(tp_degrees=(1, 4)), ClusterSpec.parse("5", "cpu"))
+    wide = cm.stage(0, 3, 4, 2, sequence_parallel=True)
+    narrow = cm.stage(0, 3, 1, 2)
+    via = cm.link("p2p", inter_node=False)
+    assert wide.boundary_bytes * 4 == narrow.boundary_bytes
+    assert cm.exchange_s(wide, 1, False, False) == pytest.approx(via.transfer_s(narrow.boundary_bytes))
+    assert cm.exchange_s(narrow, 4, True, False) == pytest.approx(via.transfer_s(narrow.boundary_bytes))
+    assert cm.exchange_s(wide, 4, True, False) == pytest.approx(via.transfer_s(wide.boundary_bytes))
+    stages = (
+        Stage(chunks=((0, 3),), devices=("n0:0", "n0:1", "n0:2", "n0:3"), sequence_parallel=True),
+        Stage(chunks=((3, 6),), devices=("n0:4",)),
+    )
+    plan = dataclasses.replace(_plan([(4, [])]), pipelines=(Pipeline(num_microbatches=4, stages=stages),))
+    (front, _) = cm.estimate(plan).stages
+    assert front.p2p_s == pytest.approx(via.transfer_s(4 * front.cost.boundary_bytes))
 
 
 # ---- step time --------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ here from the plan alone: per micro-batch, forward, each receiver's token range 
 under SP) and backward each sender's, times micro-batch x hidden x dtype bytes. Measured on the
 sockets must lie between that and that plus a header of at most HEADER_BYTES per message (gloo's
 framing: measured here 144 bytes a message), and far below what full copies to every receiver would
-send (TP1 -> TP4: four copies; TP4 -> TP2: two).
+send (TP1 -> TP4: four copies; TP4 -> TP2: two). The busiest senders send what the cost model prices
+(`costmodel.boundary.busiest_shares`).
 """
 
 import json
@@ -18,6 +19,7 @@ import pytest
 from dist_helpers import plan_json, run_worker
 
 from costmodel import ModelConfig
+from costmodel.boundary import busiest_shares
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/io is Linux's")
 
@@ -65,3 +67,10 @@ def test_boundaries_send_only_the_needed_tokens(dtype, tmp_path):
     assert needed <= socket <= needed + HEADER_BYTES * messages, (socket, needed, messages)
     full_copies = STEPS * MICRO_BATCHES * ((4 * 32 + 32) + (2 * 32 + 4 * 32)) * token_bytes
     assert socket < 0.6 * full_copies
+    # The cost model prices a boundary by its busiest rank: the TP1 rank sends the whole activation
+    # forward (boundary 0's forward share), each TP2 rank half the gradient backward (boundary 1's).
+    activations = STEPS * MICRO_BATCHES * SEQ * token_bytes
+    forward_0, _ = busiest_shares(SEQ, (1, False), (4, True))
+    _, backward_1 = busiest_shares(SEQ, (4, True), (2, True))
+    assert counts[0]["payload_bytes"] == forward_0 * activations
+    assert counts[5]["payload_bytes"] == counts[6]["payload_bytes"] == backward_1 * activations

@@ -42,9 +42,9 @@ def test_stage_table_matches_the_cost_model_on_every_range(config, tp, mbs):
         for held in range(1, 5):  # max_in_flight: the most micro-batches whose peak memory fits
             fits = sum(cost.memory_bytes(held).values()) <= cm.usable_memory_bytes
             assert fits == (held <= table.max_in_flight[s][e])
-        if e < L:
-            assert table.p2p_inter_s[e] == pytest.approx(cm.p2p_s(cost, inter_node=True), rel=1e-12)
-            assert table.p2p_intra_s[e] == pytest.approx(cm.p2p_s(cost, inter_node=False), rel=1e-12)
+        for (back, inter), exchanges in table.exchange_s.items() if e < L else ():
+            expected = cm.exchange_s(cost, back, cm.sequence_parallel(back), inter)
+            assert exchanges[e] == pytest.approx(expected, rel=1e-12)
 
 
 def test_a_stage_too_large_for_memory_is_marked():

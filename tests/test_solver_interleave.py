@@ -60,7 +60,7 @@ def test_variant_is_priced_like_the_plan_it_becomes(p7):
         fwd = [s.cost.fwd_s for s in estimate.stages]
         bwd = [s.cost.bwd_s for s in estimate.stages]
         p2p = [s.p2p_s for s in estimate.stages[:-1]]
-        wrap = cm.p2p_s(estimate.stages[-1].cost, False)
+        wrap = cm.exchange_s(estimate.stages[-1].cost, 2, True, False)  # the TP4 stage feeds the TP2 one
         assert estimate.pipeline_times_s[0] == pytest.approx(interleaved_time_s(fwd, bwd, [*p2p, wrap], 8, v))
 
 
