@@ -67,7 +67,9 @@ profile's bytes times the formula's ratio of the mode to the plain shard, rounde
 recomputation adds each block's forward (compute and its TP collectives) to the backward, a selective
 one the attention core's share of the forward FLOPs (`analytic.attention_core_fraction`); sequence
 parallelism replaces each all-reduce by an all-gather and a reduce-scatter of the same total volume.
-Point-to-point is priced by the bytes one rank of the sender holds of the boundary activation.
+Point-to-point is priced by the bytes of the boundary's busiest rank, the most any one rank sends or
+receives under the routes the runtime posts (`costmodel.boundary`: sequence slices, fan-out to a
+stage of another TP degree), forward and backward averaged (`CostModel.exchange_s`).
 """
 
 import math
@@ -254,7 +256,7 @@ class StagePrediction:
     stage: int
     devices: tuple[str, ...]
     cost: StageCost
-    p2p_s: float  # to the next stage, per micro-batch
+    p2p_s: float  # the exchange with the next stage per micro-batch (`CostModel.exchange_s`)
     bubble_s: float  # time this stage is idle within its pipeline's time
     sync_s: float  # the gradient reduction (and ZeRO-1 gather) the step waits for
     memory: dict[str, int]
