@@ -403,10 +403,11 @@ def _elastor(
     dropping the partial nodes.
 
     With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
-    first, then the search without them, seeded with its plan: the second looks only for a plan
-    faster than the first's, so a search with chunks, a larger space that may stop at its time
-    limit, never returns a plan slower than the search without them; where interleaving wins, the
-    second search is mostly settled by its bound."""
+    first. Each template is offered there beside its best variant unless the variant is no slower
+    at any micro-batch count (`lower_envelope`), so a proven optimum with chunks is no slower than
+    the optimum without. A search with chunks stopped by its time limit proves nothing: the search
+    without chunks then runs, seeded with its plan and looking only for a faster one, so the answer
+    is never slower than the search without chunks would give."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
     complete = (limits or plan_limits(profile, capacities)).complete
     found = [] if complete else _baseline_plans(profile, cluster, gbs, sizes, time_limit_s, limits, mode)
@@ -417,6 +418,8 @@ def _elastor(
     if not mode.interleave or not block_uniform(profile):
         return search_with(plain, found, progress=progress)
     chunked = search_with(mode, found, progress=progress)
+    if chunked.proven:
+        return chunked
     if chunked.plan is not None:
         found = [*found, (chunked.objective_s, chunked.plan)]
     outcome = search_with(plain, found, progress=progress)
