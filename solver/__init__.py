@@ -412,21 +412,29 @@ def _elastor(
     complete = (limits or plan_limits(profile, capacities)).complete
     found = [] if complete else _baseline_plans(profile, cluster, gbs, sizes, time_limit_s, limits, mode)
     search_with = functools.partial(
-        _seeded_search, profile, cluster, gbs, sizes, time_limit_s, limits, upper_bound_s=upper_bound_s
+        _seeded_search,
+        profile,
+        cluster,
+        gbs,
+        sizes,
+        time_limit_s,
+        limits,
+        upper_bound_s=upper_bound_s,
+        progress=progress,
     )
     plain = dataclasses.replace(mode, interleave=False)
     if not mode.interleave or not block_uniform(profile):
-        return search_with(plain, found, progress=progress)
-    chunked = search_with(mode, found, progress=progress)
+        return search_with(plain, found)
+    chunked = search_with(mode, found)
     if chunked.proven:
         return chunked
     if chunked.plan is not None:
         found = [*found, (chunked.objective_s, chunked.plan)]
-    outcome = search_with(plain, found, progress=progress)
+    outcome = search_with(plain, found)
     return dataclasses.replace(
         outcome,
         bound_s=min(outcome.bound_s, chunked.bound_s),
-        proven=outcome.proven and chunked.proven,
+        proven=False,  # the search with chunks was stopped by its time limit
         num_templates=outcome.num_templates + chunked.num_templates,
     )
 

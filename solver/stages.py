@@ -156,9 +156,7 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         params=np.rint(np.asarray(grid.param_count)).astype(np.int64).tolist(),
         max_in_flight=fits.tolist(),
         exchange_s={
-            (back, inter): np.asarray(cm.exchange_s(grid, back, cm.sequence_parallel(back), inter))[
-                0
-            ].tolist()
+            (back, inter): _by_end(cm.exchange_s(grid, back, cm.sequence_parallel(back), inter))
             for back in cm.profile.tp_degrees()
             for inter in (False, True)
         },
@@ -166,3 +164,8 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         bwd_s=np.asarray(grid.bwd_s).tolist(),
         bucket_bytes=cm.optimizer.bucket_bytes,
     )
+
+
+def _by_end(grid_values) -> list[float]:
+    """A [s, e] grid's values that depend on e only (a stage's boundary is its last layer's), by e."""
+    return np.asarray(grid_values)[0].tolist()
