@@ -635,14 +635,18 @@ class CostModel:
             costs = [self.stage_of(st, mbs) for st in pipe.stages]
             S, v = len(pipe.stages), pipe.num_chunks
             p2p = [
-                self.exchange_s(costs[si], *_receiver(pipe.stages[si + 1]), _crosses_nodes(pipe, si))
+                self.exchange_s(
+                    costs[si], costs[si + 1].tp, costs[si + 1].sequence_parallel, _crosses_nodes(pipe, si)
+                )
                 for si in range(S - 1)
             ]
             fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]
             if v == 1:
                 time_s = pipeline_time_s(fwd, bwd, p2p, pipe.num_microbatches)
             else:  # the wrap-around link carries chunk k's output of the last stage to the first
-                wrap = self.exchange_s(costs[-1], *_receiver(pipe.stages[0]), _crosses_nodes(pipe, S - 1, 0))
+                wrap = self.exchange_s(
+                    costs[-1], costs[0].tp, costs[0].sequence_parallel, _crosses_nodes(pipe, S - 1, 0)
+                )
                 time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v)
             buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
             sync = self.sync(
@@ -703,11 +707,6 @@ def _whole(nbytes):
 
 def _total(state: StateBytes) -> int:
     return state.masters + state.grads + state.moments + state.steps + state.gather
-
-
-def _receiver(stage: Stage) -> tuple[int, bool]:
-    """A stage's TP degree and whether it splits the sequence: what a boundary into it moves."""
-    return stage.tp_degree, stage.sequence_parallel and stage.tp_degree > 1
 
 
 def _crosses_nodes(pipe: Pipeline, si: int, to: int | None = None) -> bool:
