@@ -170,6 +170,15 @@ RUNTIME_PLANS = [
             [(2, [((0, 4), ["n0:0", "n0:1"], {**SP, **FULL})]), (2, [((0, 4), ["n1:0"], {})])],
         ),
     ]
+] + [
+    # the math attention kernel keeps each block's b x H x s x s scores (without recompute, and
+    # while a selective recomputation reruns the core)
+    (f"math attention, {name} {dtype}", {**_plan("gpt-tiny", pipes, dtype=dtype), "attention": "math"})
+    for dtype in ("float32", "bfloat16")
+    for name, pipes in [
+        ("one device", [(3, [((0, 6), ["n0:0"], {})])]),
+        ("TP2 SP, selective", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **SELECTIVE})])]),
+    ]
 ]
 
 

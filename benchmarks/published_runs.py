@@ -11,9 +11,13 @@ Each GPT becomes a Llama-shaped config with the same parameter count and the sam
 FLOPs per token: multi-head attention (key/value heads = heads), a SwiGLU MLP of width 8h/3 (three
 h x 8h/3 matrices hold the 8h² of GPT's two h x 4h ones, and multiply as many FLOPs), tied embeddings
 as Megatron's GPT; LayerNorm biases and learned position embeddings (under 1% of the parameters)
-are left out. Each row is then planned with `elastor plan --method uniform --tp T --pp P --recompute
-full` on an analytic A100-80GB profile: TP x PP x DP = the published GPU count, blocks split as
-Megatron does; the micro-batch size, unpublished, is the solver's choice among 1, 2, 4 and 8.
+are left out. Their attention predates FlashAttention: Megatron-LM computed the b x a x s x s scores,
+with the scale, mask and softmax fused into one kernel, and kept them for backward, so the profile
+prices the math attention kernel (`elastor profile --analytic --attention math`, which a plan made from
+it also runs; `costmodel.profile.ATTENTION_KERNELS`). Each row is then planned with `elastor plan
+--method uniform --tp T --pp P --recompute full` on that analytic A100-80GB profile: TP x PP x DP = the
+published GPU count, blocks split as Megatron does; the micro-batch size, unpublished, is the solver's
+choice among 1, 2, 4 and 8.
 
     python benchmarks/published_runs.py [--out benchmarks/results/published_runs.json]
 
@@ -42,6 +46,7 @@ from solver.baselines import Grid
 DEFAULT_OUT = Path(__file__).parent / "results" / "published_runs.json"
 SEQ, VOCAB, KIND = 2048, 51200, "A100-80GB"
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+ATTENTION = "math"  # the unfused attention of Megatron-LM in 2021 (module docstring)
 TOLERANCE = 0.15
 
 
@@ -92,7 +97,12 @@ def predict(run: Run) -> dict:
     config = run.config()
     started, cpu = time.perf_counter(), time.process_time()
     profile = analytic_profile(
-        config, device_kind=KIND, micro_batch_sizes=MICRO_BATCH_SIZES, tp_degrees=[run.tp], seq_len=SEQ
+        config,
+        device_kind=KIND,
+        micro_batch_sizes=MICRO_BATCH_SIZES,
+        tp_degrees=[run.tp],
+        seq_len=SEQ,
+        attention=ATTENTION,
     )
     cluster = ClusterSpec.from_counts([8] * (run.gpus // 8), KIND)
     row = {"model": config.name, "params": config.param_count, "tp": run.tp, "pp": run.pp, "gpus": run.gpus}

@@ -29,12 +29,15 @@ what autograd saves when it runs (verified with saved-tensor hooks, `benchmarks/
         the reciprocal RMS                                                          4·b·s
         the normalised input before the weight, in the model dtype                  D·b·s·h
         the scaled output, kept by the next projection                              D·b·s·h
-    attention (a fused kernel: flash attention on CPU and on CUDA in 16 bit, memory-efficient
+    attention, the fused kernel (flash attention on CPU and on CUDA in 16 bit, memory-efficient
     attention on CUDA in fp32; no s×s matrix is kept, which removes Korthikanti's 5as²b term):
         q after rotary, k and v as attention sees them (grouped k, v repeated to H heads
         before the kernel whenever K < H), the attention output           4 · D·b·s·(H/t)·d
         the log-sum-exp per query row, fp32, rows padded to LSE_ROW_MULTIPLE 4·b·(H/t)·s'
         the rotary cos and sin tables (fp32: two shared tables; else a converted copy per q and k)
+    attention, the math kernel (`costmodel.profile.ATTENTION_KERNELS`): the scaled q and k its
+        first product keeps, v, the attention output (4 · D·b·s·(H/t)·d, as above), the softmax
+        output D·b·(H/t)·s², and the rotary tables as above; no log-sum-exp
     SwiGLU MLP: the gate output, its SiLU, the up output, their product       4 · D·b·s·(F/t)
     no dropout, no biases, the residual additions keep nothing.
     embed (vocabulary-parallel): the token ids (int64), and for t > 1 the out-of-shard mask (bool)
@@ -159,6 +162,7 @@ def activation_bytes(
     dtype: str,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    attention: str = "fused",
 ) -> int:
     """Bytes one TP shard of a layer keeps for backward per micro-batch; see the module docstring.
 
@@ -181,13 +185,16 @@ def activation_bytes(
         return dt * b * (s // shards) * h
     shared_tables = 2 * s * d * FP32_BYTES if dt == FP32_BYTES else 0  # fp32 tables: no copies
     if recompute == "selective":
-        attention = dt * b * s * d * (2 * heads + 2 * kv_heads) + shared_tables
+        core = dt * b * s * d * (2 * heads + 2 * kv_heads) + shared_tables
     else:
-        rows = -(-s // LSE_ROW_MULTIPLE) * LSE_ROW_MULTIPLE
         rotary_tables = shared_tables if dt == FP32_BYTES else 4 * s * d * dt
-        attention = 4 * dt * b * s * heads * d + FP32_BYTES * b * heads * rows + rotary_tables
+        if attention == "math":
+            scores = dt * b * heads * s * s  # the softmax output
+        else:
+            scores = FP32_BYTES * b * heads * (-(-s // LSE_ROW_MULTIPLE) * LSE_ROW_MULTIPLE)  # log-sum-exp
+        core = 4 * dt * b * s * heads * d + scores + rotary_tables
     mlp = 4 * dt * b * s * width
-    return 2 * _rmsnorm_bytes(b, s, h, dt, shards) + attention + mlp
+    return 2 * _rmsnorm_bytes(b, s, h, dt, shards) + core + mlp
 
 
 def recompute_transient_bytes(
@@ -199,6 +206,7 @@ def recompute_transient_bytes(
     dtype: str,
     sequence_parallel: bool,
     recompute: str,
+    attention: str = "fused",
 ) -> int:
     """What recomputing one block in backward holds at once on top of what it kept: the activations
     its rerun forward saves (the whole block's, or the attention core's), freed as its backward
@@ -206,11 +214,17 @@ def recompute_transient_bytes(
     if kind != "block" or recompute == "none":
         return 0
     args = (config, kind, micro_batch_size, seq_len, tp_degree, dtype, sequence_parallel)
-    return activation_bytes(*args, "none") - activation_bytes(*args, recompute)
+    return activation_bytes(*args, "none", attention) - activation_bytes(*args, recompute, attention)
 
 
 def backward_transient_bytes(
-    config: ModelConfig, kind: str, micro_batch_size: int, seq_len: int, tp_degree: int, dtype: str
+    config: ModelConfig,
+    kind: str,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    dtype: str,
+    attention: str = "fused",
 ) -> int:
     """Working memory of one layer shard's forward and backward above what it keeps, for profiles
     that do not measure it (the analytic ones). Every layer: its parameters' gradients, which autograd
@@ -229,19 +243,33 @@ def backward_transient_bytes(
     grads = shard_param_count(config, kind, tp_degree) * dt
     if kind == "head":  # the logits, and two fp32 logit-sized buffers in the loss forward or backward
         return grads + (2 * FP32_BYTES + dt) * b * s * vocab
-    kept = activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype)
+    kept = activation_bytes(config, kind, micro_batch_size, seq_len, tp_degree, dtype, attention=attention)
     return grads + kept + dt * b * s * h
 
 
 def attention_core_fraction(
-    config: ModelConfig, micro_batch_size: int, seq_len: int, tp_degree: int
+    config: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    attention: str = "fused",
+    priced_on: tuple[str, DeviceKind] | None = None,
 ) -> float:
-    """The attention core's share (scores and values products) of a block's forward FLOPs: what a
-    selective recomputation reruns."""
+    """The attention core's share of a block's forward: what a selective recomputation reruns. For
+    the fused kernel its share of the FLOPs (scores and values products). The math kernel's core is
+    bound by the traffic of its s x s scores: its share of the block's roofline time in the (dtype,
+    device kind) `priced_on`, or without one its FLOP share (the whole square: a lower bound)."""
+    args = (config, micro_batch_size, seq_len, tp_degree)
+    if attention == "math" and priced_on is not None:
+        dtype, device = priced_on
+        core, _ = attention_core_s(*args, dtype, device, attention)
+        block, _ = layer_times_s(config, "block", *args[1:], dtype, device, attention)
+        return core / block
     b, s = micro_batch_size, seq_len
     heads = config.num_heads // tp_degree
-    core = 2 * 2 * b * s * s * heads * config.head_dim * CAUSAL_ATTENTION_FRACTION
-    return core / forward_flops(config, "block", micro_batch_size, seq_len, tp_degree)
+    square = 1.0 if attention == "math" else CAUSAL_ATTENTION_FRACTION
+    core = 2 * 2 * b * s * s * heads * config.head_dim * square
+    return min(1.0, core / forward_flops(config, "block", micro_batch_size, seq_len, tp_degree))
 
 
 def output_bytes_per_sample(config: ModelConfig, kind: str, seq_len: int, dtype: str) -> int:
@@ -310,6 +338,7 @@ def layer_times_s(
     tp_degree: int,
     dtype: str,
     device: DeviceKind,
+    attention: str = "fused",
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one TP shard on `device`: every kernel at its own roofline
     and named efficiency (KERNEL_EFFICIENCY), summed, as the kernels of one stream run one after the
@@ -338,10 +367,45 @@ def layer_times_s(
         + gemm_s(tokens, h, width, dt, device, copies=2)
         + gemm_s(tokens, width, h, dt, device)
     )
-    core_flops = 2 * 2 * b * s * s * heads * d * CAUSAL_ATTENTION_FRACTION
-    core_bytes = dt * tokens * 4 * q  # q, k and v (repeated to H heads) read, the output written
-    core = roofline_s(core_flops, core_bytes, device, eff["attention"])
-    core_bwd = roofline_s(
+    core, core_bwd = attention_core_s(config, b, s, tp_degree, dtype, device, attention)
+    return gemms + core + moved, 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved
+
+
+def attention_core_s(
+    config: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    dtype: str,
+    device: DeviceKind,
+    attention: str = "fused",
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one block's TP shard, by kernel
+    (`costmodel.profile.ATTENTION_KERNELS`).
+
+    fused: one kernel at the attention efficiency, the causal half of the s² products, backward at
+    ATTENTION_BACKWARD_FLOPS_FACTOR. math, kernel by kernel as torch's math attention runs them (per
+    head, D = dtype bytes, Z = D·b·H·s² the bytes of one scores matrix): forward, q and k scaled
+    (each read and written), q k^T and the product with v (full s x s GEMMs: the causal mask does
+    not skip work), the mask added in place (scores and mask read, scores written: 3 Z), the
+    softmax (2 Z); backward, four s x s GEMMs (the gradients of both products), the softmax's (its
+    output and output gradient read, the input gradient written: 3 Z) and the two scalings'."""
+    b, s, d = micro_batch_size, seq_len, config.head_dim
+    dt = DTYPE_BYTES[dtype]
+    heads = config.num_heads // tp_degree
+    eff = kernel_efficiency(device.kind)
+    q = heads * d
+    if attention == "math":
+        bandwidth = device.memory_bandwidth_gbps * 1e9 * eff["bandwidth"]
+        scores = dt * b * heads * s * s
+        scaling = 2 * 2 * dt * b * s * q / bandwidth
+        product = gemm_s(s, d, s, dt, device, copies=b * heads)  # q k^T; p v moves and multiplies as much
+        forward = 2 * product + scaling + 5 * scores / bandwidth
+        return forward, 4 * product + scaling + 3 * scores / bandwidth
+    core_flops = 2 * 2 * b * s * s * q * CAUSAL_ATTENTION_FRACTION
+    core_bytes = dt * b * s * 4 * q  # q, k and v (repeated to H heads) read, the output written
+    forward = roofline_s(core_flops, core_bytes, device, eff["attention"])
+    backward = roofline_s(
         ATTENTION_BACKWARD_FLOPS_FACTOR * core_flops, 2 * core_bytes, device, eff["attention"]
     )
-    return gemms + core + moved, 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved
+    return forward, backward

@@ -457,18 +457,24 @@ class CostModel:
                 recompute_fwd_s += c.fwd_s
                 tp_bwd += fwd_comm
             elif mode == "selective":
-                recompute_fwd_s += c.fwd_s * analytic.attention_core_fraction(model, mbs, seq, tp)
+                device = DEVICE_KINDS.get(prof.device_kind)
+                priced_on = (dtype, device) if device is not None else None
+                recompute_fwd_s += c.fwd_s * analytic.attention_core_fraction(
+                    model, mbs, seq, tp, prof.attention, priced_on
+                )
             args = (model, kind, mbs, seq, tp, dtype)
             # the profile measured the plain shard; the formula scales it to the mode
-            plain = analytic.activation_bytes(*args)
-            mine = analytic.activation_bytes(*args, sp, mode)
+            plain = analytic.activation_bytes(*args, attention=prof.attention)
+            mine = analytic.activation_bytes(*args, sp, mode, prof.attention)
             activations += -(-c.activation_bytes * mine // plain) if plain else c.activation_bytes
             # autograd makes each parameter's gradient anew before adding it into the main gradient;
             # a measured or analytic transient has it already, a profile without one does not
             layer_grads = 0 if c.transient_bytes else analytic.shard_param_count(model, kind, tp) * dt
             transient = max(
                 transient,
-                c.transient_bytes + analytic.recompute_transient_bytes(*args, sp, mode) + layer_grads,
+                c.transient_bytes
+                + analytic.recompute_transient_bytes(*args, sp, mode, prof.attention)
+                + layer_grads,
             )
         if any(model.layer_kind(i) == "block" for i in range(start, end)):
             transient += 2 * seq * model.head_dim * FP32_BYTES  # the stage's cached rotary tables
@@ -624,6 +630,12 @@ class CostModel:
             raise ElastorError(
                 f"The plan trains in {plan.dtype} but the profile measured {self.profile.dtype}; use a "
                 f"{plan.dtype} profile (elastor profile --dtype {plan.dtype}) or set the plan's dtype."
+            )
+        if plan.attention != self.profile.attention:
+            raise ElastorError(
+                f"The plan runs the {plan.attention} attention kernel but the profile measured the "
+                f"{self.profile.attention} one; use a profile made with --attention {plan.attention} or set "
+                "the plan's attention."
             )
         mbs = plan.micro_batch_size
         multi_node = len(plan.nodes()) > 1

@@ -17,6 +17,7 @@ from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.config import ModelConfig
 from costmodel.errors import ElastorError
 from costmodel.jsonio import SCHEMA_VERSION, check_schema, is_integer, is_number, require, shown
+from costmodel.profile import ATTENTION_KERNELS
 from costmodel.table import format_table
 
 
@@ -214,6 +215,7 @@ class Plan:
     seq_len: int
     pipelines: tuple[Pipeline, ...]
     dtype: str = "float32"  # parameters and activations; master weights, main grads, moments are fp32
+    attention: str = "fused"  # the attention kernel every block runs (costmodel.profile.ATTENTION_KERNELS)
     optimizer: OptimizerLayout = OptimizerLayout()
     predicted: dict[str, Any] | None = None  # the cost model's estimate, if a solver made the plan
     solver: dict[str, Any] | None = None  # method, status, wall_s
@@ -259,6 +261,10 @@ class Plan:
             problems.append(f"seq_len {self.seq_len} is outside 1..{model.max_seq_len}, the model's maximum.")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
+        if self.attention not in ATTENTION_KERNELS:
+            problems.append(
+                f"attention {shown(self.attention)} is not one of {', '.join(ATTENTION_KERNELS)}."
+            )
         problems.extend(self.optimizer.problems())
         if not self.pipelines:
             problems.append("The plan has no pipeline.")
@@ -365,6 +371,8 @@ class Plan:
             "dtype": self.dtype,
             "pipelines": [p.to_json() for p in self.pipelines],
         }
+        if self.attention != "fused":  # absent: the fused kernel, as in every plan before the field
+            data["attention"] = self.attention
         if self.optimizer != OptimizerLayout():
             data["optimizer"] = self.optimizer.to_json()
         if self.predicted is not None:
@@ -402,6 +410,7 @@ class Plan:
             micro_batch_size=data["micro_batch_size"],
             seq_len=data["seq_len"],
             dtype=data.get("dtype", "float32"),
+            attention=data.get("attention", "fused"),
             optimizer=OptimizerLayout.from_json(data.get("optimizer", {})),
             pipelines=tuple(Pipeline.from_json(p) for p in data["pipelines"]),
             predicted=data.get("predicted"),
@@ -439,6 +448,7 @@ class Plan:
             f"{self.model.name}: {len(self.pipelines)} pipeline(s) on {self.world_size} device(s), "
             f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
             f"{self.global_batch_size // max(self.micro_batch_size, 1)}, seq_len {self.seq_len}, {self.dtype}"
+            + (f", {self.attention} attention" if self.attention != "fused" else "")
             + (f", optimizer {self.optimizer.sharding}" if self.optimizer.sharding != "none" else "")
         )
         return f"{head}\n{format_table(rows)}"

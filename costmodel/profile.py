@@ -17,6 +17,16 @@ from costmodel.jsonio import SCHEMA_VERSION, check_schema, is_integer, is_number
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SOURCES = ("cpu", "cuda", "analytic")
+
+# The attention kernel a plan runs (`Plan.attention`, `ModelProfile.attention`):
+#   fused  what scaled_dot_product_attention dispatches by default: flash attention on CPU and on CUDA
+#          in 16 bit, memory-efficient attention on CUDA in fp32; no s x s matrix is materialised.
+#   math   the unfused composition (`SDPBackend.MATH`, 16-bit reductions allowed): the scores q k^T
+#          scaled, the causal mask added, the softmax, then the product with v, each a kernel of its
+#          own with the b x H x s x s scores in memory. The attention of Megatron-LM before
+#          FlashAttention (Narayanan et al. 2021 fused only the scale, mask and softmax; their runs
+#          also kept a dropout mask, which Elastor's model has no use for).
+ATTENTION_KERNELS = ("fused", "math")
 # Bounds on one layer's figures, far past any real layer's (llama3-70b's block: milliseconds, and
 # gigabytes of activations at the largest micro-batches), so a typo fails here instead of
 # overflowing the cost model's arithmetic.
@@ -120,6 +130,7 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     dtype: str = "float32"
     source: str = "analytic"  # cpu, cuda (measured) or analytic
+    attention: str = "fused"  # the attention kernel measured or priced (ATTENTION_KERNELS)
     # How the numbers were made: repeats, timer, memory method, or the analytic constants used.
     method: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -134,6 +145,10 @@ class ModelProfile:
             raise ElastorError(f"Profile dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}.")
         if self.source not in SOURCES:
             raise ElastorError(f"Profile source {self.source!r} is not one of {', '.join(SOURCES)}.")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ElastorError(
+                f"Profile attention {shown(self.attention)} is not one of {', '.join(ATTENTION_KERNELS)}."
+            )
         names = [layer.name for layer in self.layers]
         if names != self.model.layer_names():
             raise ElastorError(
@@ -167,7 +182,7 @@ class ModelProfile:
         return sorted({c.tp_degree for c in self.layers[0].costs})
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "schema_version": SCHEMA_VERSION,
             "model": self.model.to_json(),
             "device_kind": self.device_kind,
@@ -177,6 +192,9 @@ class ModelProfile:
             "method": self.method,
             "layers": [layer.to_json() for layer in self.layers],
         }
+        if self.attention != "fused":  # absent: the fused kernel, as every profile before the field
+            data["attention"] = self.attention
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelProfile":
@@ -190,6 +208,7 @@ class ModelProfile:
             seq_len=data["seq_len"],
             dtype=data.get("dtype", "float32"),
             source=data.get("source", "analytic"),
+            attention=data.get("attention", "fused"),
             method=dict(data.get("method", {})),
             layers=tuple(LayerProfile.from_json(layer) for layer in data["layers"]),
         )

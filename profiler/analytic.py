@@ -26,6 +26,7 @@ def analytic_profile(
     tp_degrees: Sequence[int],
     seq_len: int,
     dtype: str = "bfloat16",
+    attention: str = "fused",
 ) -> ModelProfile:
     started = time.perf_counter()
     device = lookup_device_kind(device_kind)
@@ -39,17 +40,19 @@ def analytic_profile(
         rows = []
         for t in tp_degrees:
             for mbs in micro_batch_sizes:
-                fwd_s, bwd_s = analytic.layer_times_s(config, kind, mbs, seq_len, t, dtype, device)
+                fwd_s, bwd_s = analytic.layer_times_s(config, kind, mbs, seq_len, t, dtype, device, attention)
                 rows.append(
                     LayerCost(
                         micro_batch_size=mbs,
                         tp_degree=t,
                         fwd_s=fwd_s,
                         bwd_s=bwd_s,
-                        activation_bytes=analytic.activation_bytes(config, kind, mbs, seq_len, t, dtype),
+                        activation_bytes=analytic.activation_bytes(
+                            config, kind, mbs, seq_len, t, dtype, attention=attention
+                        ),
                         fwd_flops=analytic.forward_flops(config, kind, mbs, seq_len, t),
                         transient_bytes=analytic.backward_transient_bytes(
-                            config, kind, mbs, seq_len, t, dtype
+                            config, kind, mbs, seq_len, t, dtype, attention
                         ),
                     )
                 )
@@ -71,6 +74,7 @@ def analytic_profile(
         seq_len=seq_len,
         dtype=dtype,
         source="analytic",
+        attention=attention,
         layers=layers,
         method={
             "formulas": "costmodel/analytic.py",

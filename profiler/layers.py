@@ -63,9 +63,14 @@ class HeadShard(nn.Module):
         return cross_entropy_sum(self.output(self.norm(x)), self.targets)
 
 
-def build_shard(config: ModelConfig, kind: str, tp_degree: int, device: str, dtype: torch.dtype) -> nn.Module:
-    """TP rank 0's shard of a layer of `kind`, on `device` in `dtype`."""
+def build_shard(
+    config: ModelConfig, kind: str, tp_degree: int, device: str, dtype: torch.dtype, attention: str = "fused"
+) -> nn.Module:
+    """TP rank 0's shard of a layer of `kind`, on `device` in `dtype`; a block runs the `attention`
+    kernel (costmodel.profile.ATTENTION_KERNELS)."""
     module = {"embed": EmbedShard, "block": BlockShard, "head": HeadShard}[kind](config, tp_degree)
+    if kind == "block":
+        module.block.attn.kernel = attention
     return module.to(device=device, dtype=dtype)
 
 

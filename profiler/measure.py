@@ -243,6 +243,7 @@ class _Session:
     repeats: int
     warmup: int
     generator: torch.Generator
+    attention: str = "fused"
     discarded: int = 0
 
     def layer_costs(
@@ -250,9 +251,13 @@ class _Session:
     ) -> dict[str, list[LayerCost]]:
         """Per layer kind, the costs of TP rank 0's shard at each micro-batch size, timed in the chain."""
         dtype = TORCH_DTYPES[self.dtype]
-        shards = {kind: build_shard(self.config, kind, tp_degree, self.device, dtype) for kind in KINDS}
+        shards = {
+            kind: build_shard(self.config, kind, tp_degree, self.device, dtype, self.attention)
+            for kind in KINDS
+        }
         blocks = [shards["block"]] + [
-            build_shard(self.config, "block", tp_degree, self.device, dtype) for _ in range(CHAIN_BLOCKS - 1)
+            build_shard(self.config, "block", tp_degree, self.device, dtype, self.attention)
+            for _ in range(CHAIN_BLOCKS - 1)
         ]
         chain = [shards["embed"], *blocks, shards["head"]]
         position = {"embed": 0, "block": 1 + CHAIN_BLOCKS // 2, "head": len(chain) - 1}
@@ -306,6 +311,7 @@ def measure_profile(
     threads: int | None = defaults.CPU_THREADS,
     seed: int = 0,
     progress: bool = True,
+    attention: str = "fused",
 ) -> ModelProfile:
     """A measured `ModelProfile`: one shard per layer kind and TP degree, shared by identical layers.
 
@@ -313,7 +319,8 @@ def measure_profile(
     """
     check_device(device)
     torch.manual_seed(seed)
-    session = _Session(config, seq_len, device, dtype, repeats, warmup, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    session = _Session(config, seq_len, device, dtype, repeats, warmup, generator, attention)
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     bar = tqdm(
@@ -352,6 +359,7 @@ def measure_profile(
         seq_len=seq_len,
         dtype=dtype,
         source=device,
+        attention=attention,
         layers=tuple(layers),
         method={
             "timer": "CUDA events" if device == "cuda" else "time.perf_counter",

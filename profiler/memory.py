@@ -62,9 +62,10 @@ def measured_activation_bytes(
     tp_degree: int,
     dtype: str,
     seed: int = 0,
+    attention: str = "fused",
 ) -> int:
     """Saved-tensor bytes of TP rank 0's shard of a `kind` layer on CPU (the memory validation's truth)."""
-    shard = build_shard(config, kind, tp_degree, "cpu", getattr(torch, dtype))
+    shard = build_shard(config, kind, tp_degree, "cpu", getattr(torch, dtype), attention)
     x = example_input(shard, config, micro_batch_size, seq_len, torch.Generator().manual_seed(seed))
     _, kept = saved_tensor_bytes(shard, lambda: shard(x))
     return kept

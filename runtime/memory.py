@@ -124,6 +124,7 @@ def predicted_memory(plan) -> dict[str, dict[str, int]]:
         tp_degrees=tps,
         seq_len=plan.seq_len,
         dtype=plan.dtype,
+        attention=plan.attention,
     )
     gpus: dict[str, list[int]] = {}
     for device in plan.devices:

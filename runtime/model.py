@@ -16,12 +16,14 @@ the width, which costmodel/layout.py splits larger-first when t does not divide 
 communication; the runtime adds the collectives, the profiler times the shard as it is.
 """
 
+import contextlib
 import math
 import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from costmodel.config import ModelConfig
@@ -85,11 +87,15 @@ class Attention(nn.Module):
     `recompute_core` (selective recomputation, Korthikanti et al. 2022, section 5) keeps only the
     q, k, v projections' outputs and reruns the attention core (rotary, key/value repetition, the
     attention kernel) in backward, with `torch.utils.checkpoint` (non-reentrant: bit-identical).
+    `kernel` is the plan's attention (costmodel.profile.ATTENTION_KERNELS): "fused" lets
+    scaled_dot_product_attention dispatch its flash or memory-efficient kernel, "math" runs the
+    unfused composition that materialises the scores (`math_attention`).
     """
 
     def __init__(self, config: ModelConfig, tp_degree: int = 1):
         super().__init__()
         self.recompute_core = False
+        self.kernel = "fused"
         self.head_dim = config.head_dim
         self.local_heads = config.num_heads // tp_degree
         self.local_kv_heads = config.num_kv_heads // tp_degree
@@ -119,8 +125,24 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with math_attention() if self.kernel == "math" else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+
+
+@contextlib.contextmanager
+def math_attention():
+    """torch's math attention (SDPBackend.MATH) in the inputs' dtype. By default torch computes it
+    in fp32 from 16-bit inputs, keeping fp32 copies of q, k, v and the scores; the cost model and the
+    unfused attention it prices (Megatron-LM before FlashAttention) keep them in 16 bit, so 16-bit
+    reductions are allowed for the call (a process-wide switch, restored after it)."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
 class MLP(nn.Module):

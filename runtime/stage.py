@@ -75,6 +75,7 @@ class StageModule(nn.Module):
             for name in names:
                 block = apply_tensor_parallel(Block(config, tp_degree, tp_rank), group, sp)
                 block.attn.recompute_core = stage.chunk_recompute(k) == "selective"
+                block.attn.kernel = plan.attention
                 self.blocks[name] = block
             self._chunk_blocks.append(names)
         self.head = VocabParallelHead(config, rows, group, sp) if self.is_last else None

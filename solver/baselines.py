@@ -80,6 +80,7 @@ def _plan(cm: CostModel, cluster, gbs, mbs, pipes, counts: Sequence[int]) -> Pla
         micro_batch_size=mbs,
         seq_len=cm.profile.seq_len,
         dtype=cm.profile.dtype,
+        attention=cm.profile.attention,
         pipelines=tuple(built),
     )
     return plan.validate(cluster)

@@ -58,6 +58,7 @@ def place(
         micro_batch_size=micro_batch_size,
         seq_len=cm.profile.seq_len,
         dtype=cm.profile.dtype,
+        attention=cm.profile.attention,
         optimizer=cm.optimizer,
         pipelines=tuple(built),
     )

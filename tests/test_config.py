@@ -369,6 +369,7 @@ def test_profile_refuses_a_wrong_param_count():
     [
         ({"dtype": "int8"}, "Profile dtype 'int8' is not one of float32, bfloat16, float16."),
         ({"source": "tpu"}, "Profile source 'tpu' is not one of cpu, cuda, analytic."),
+        ({"attention": "sparse"}, "Profile attention 'sparse' is not one of fused, math."),
     ],
 )
 def test_profile_refuses_unknown_dtype_and_source(change, sentence):

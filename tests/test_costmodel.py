@@ -7,6 +7,7 @@ import pytest
 from reference_1f1b import simulate_1f1b
 from synthetic import synthetic_profile
 
+import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError, Pipeline, Plan, Stage
 from costmodel.boundary import busiest_shares
 from costmodel.comm import Link, all_gather_s, all_reduce_s
@@ -19,6 +20,8 @@ from costmodel.estimate import (
     pipeline_time_s,
 )
 from costmodel.layout import device_pieces, sync_buckets
+from profiler.analytic import analytic_profile
+from solver.baselines import Grid
 
 TINY = PRESETS["gpt-tiny"]
 
@@ -308,6 +311,39 @@ def test_a_plan_in_another_dtype_than_its_profile_is_refused_in_one_sentence():
     with pytest.raises(ElastorError) as e:
         CostModel(profile, ClusterSpec.parse("1", "cpu")).estimate(plan)
     assert str(e.value).count(".") == 1 and "bfloat16" in str(e.value) and "float32" in str(e.value)
+
+
+def test_a_plan_with_another_attention_kernel_than_its_profile_is_refused_in_one_sentence():
+    profile = synthetic_profile()  # the fused kernel
+    plan = dataclasses.replace(_plan([(4, [((0, 6), ["n0:0"])])]), attention="math")
+    assert Plan.from_json(plan.to_json()).attention == "math"  # written, and read back
+    assert "attention" not in dataclasses.replace(plan, attention="fused").to_json()  # older plans' form
+    assert dataclasses.replace(plan, attention="sparse").violations() == [
+        "attention 'sparse' is not one of fused, math."
+    ]
+    with pytest.raises(ElastorError) as e:
+        CostModel(profile, ClusterSpec.parse("1", "cpu")).estimate(plan)
+    assert str(e.value).count(".") == 1 and "math" in str(e.value) and "fused" in str(e.value)
+
+
+def test_the_math_attention_kernel_costs_time_and_memory_in_the_analytic_profile():
+    """On an analytic H100 profile of llama2-7b at 4,096 tokens the math kernel keeps the b x H x s x s
+    scores and moves them through memory several times: more activation bytes and a slower block,
+    forward and backward, and a plan priced from it runs slower and holds more."""
+    kw = dict(device_kind="H100-80GB", micro_batch_sizes=[1], tp_degrees=[1, 2], seq_len=4096)
+    fused, math = (analytic_profile(PRESETS["llama2-7b"], **kw, attention=a) for a in ("fused", "math"))
+    for tp in (1, 2):
+        a, b = fused.cost(1, 1, tp), math.cost(1, 1, tp)
+        heads = PRESETS["llama2-7b"].num_heads // tp
+        assert b.activation_bytes - a.activation_bytes >= 2 * heads * 4096 * 4096 * 0.99  # the bf16 scores
+        assert b.fwd_s > a.fwd_s and b.bwd_s > a.bwd_s
+    cluster = ClusterSpec.parse("2", "H100-80GB")
+    plans = [solver.solve(p, cluster, 8, method="uniform", grid=Grid(tp=2, pp=1)) for p in (fused, math)]
+    assert plans[1].attention == "math" and plans[0].attention == "fused"
+    assert plans[1].predicted["step_time_s"] > plans[0].predicted["step_time_s"]
+    assert max(plans[1].predicted["peak_memory_bytes"].values()) > max(
+        plans[0].predicted["peak_memory_bytes"].values()
+    )
 
 
 def test_sequence_parallel_and_recompute_price_memory_and_time():

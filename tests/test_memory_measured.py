@@ -54,9 +54,29 @@ def test_training_steps_never_use_more_memory_than_predicted(name):
     plans = [(n, plan) for n, plan in bench.RUNTIME_PLANS if n == name]
     assert len(plans) == 1
     rows = bench.validate_runtime(plans)
+    check_rows(rows)
+
+
+def check_rows(rows: list[dict]) -> None:
     for row in rows:
         where = f"{row['plan']} {row['device']}"
         assert row["measured_bytes"] <= row["predicted_bytes"], where
         for kind in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
             assert row["measured"][kind] <= row["predicted"][kind], (where, kind)
             assert row["measured"][kind] >= 0.95 * row["predicted"][kind], (where, kind)
+
+
+def test_the_math_attention_kernel_runs_and_is_priced():
+    """A plan's `attention` changes what trains: under the math kernel a one-device bf16 run keeps
+    each block's b x H x s x s scores (its measured peak grows by at least what the formulas add),
+    and the prediction still bounds it."""
+    bench = _benchmark()
+    names = ("one device bfloat16", "math attention, one device bfloat16")
+    rows = {
+        r["plan"]: r for r in bench.validate_runtime([(n, p) for n, p in bench.RUNTIME_PLANS if n in names])
+    }
+    check_rows(list(rows.values()))
+    fused, math = (rows[n] for n in names)
+    predicted_growth = math["predicted_bytes"] - fused["predicted_bytes"]
+    assert predicted_growth > 0
+    assert math["measured_bytes"] - fused["measured_bytes"] >= 0.8 * predicted_growth

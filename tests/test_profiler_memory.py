@@ -62,6 +62,39 @@ def test_activation_formula_matches_the_saved_tensors(config, kind, mbs, seq_len
     assert -TOLERANCE <= error <= TOLERANCE, f"predicted {predicted} B, measured {measured} B ({error:+.2%})"
 
 
+MATH = [
+    # (model, micro-batch size, seq_len, TP degree, dtype): blocks under the math attention kernel
+    (TINY, 2, 64, 1, "float32"),
+    (TINY, 2, 50, 2, "float32"),
+    (TINY, 2, 64, 1, "bfloat16"),  # 16 bit throughout: torch would otherwise keep fp32 copies
+    (TIED_TINY, 2, 64, 2, "bfloat16"),  # grouped-query attention
+    (UNEVEN, 1, 64, 3, "float32"),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "mbs", "seq_len", "tp", "dtype"),
+    MATH,
+    ids=[f"{c.name}-b{m}-s{s}-tp{t}-{d}" for c, m, s, t, d in MATH],
+)
+def test_the_math_kernel_keeps_its_scores_and_the_formula_counts_them(config, mbs, seq_len, tp, dtype):
+    """The plan's attention field changes what a block keeps: the math kernel's b x H x s x s softmax
+    output instead of the fused kernel's log-sum-exp, to the byte."""
+    measured = {
+        kernel: measured_activation_bytes(config, "block", mbs, seq_len, tp, dtype, attention=kernel)
+        for kernel in ("fused", "math")
+    }
+    predicted = {
+        kernel: activation_bytes(config, "block", mbs, seq_len, tp, dtype, attention=kernel)
+        for kernel in ("fused", "math")
+    }
+    scores = mbs * (config.num_heads // tp) * seq_len * seq_len * (4 if dtype == "float32" else 2)
+    assert measured["math"] - measured["fused"] >= scores * 0.9  # the scores are there
+    for kernel in ("fused", "math"):
+        error = (predicted[kernel] - measured[kernel]) / measured[kernel]
+        assert -TOLERANCE <= error <= TOLERANCE, f"{kernel}: {predicted[kernel]} B vs {measured[kernel]} B"
+
+
 @pytest.mark.parametrize(
     ("start", "end", "dtype"), [(0, 6, "float32"), (1, 5, "float32"), (2, 6, "bfloat16")]
 )

@@ -79,6 +79,16 @@ def test_sequence_parallel_and_recompute_match_single_process(name, tmp_path):
     check_parity(plan, tmp_path)
 
 
+@pytest.mark.slow  # -m slow: make test's time budget (tests/test_memory_measured.py runs the kernel)
+def test_the_math_attention_kernel_matches_single_process(tmp_path):
+    """The unfused attention (`"attention": "math"`) on SP stages with both recompute modes, beside a
+    replica, against the single process's fused kernel: the same model, within the fp32 bound."""
+    plan = _with(SP_PLANS["sp-hetero"], {}, attention="math")
+    result = run_worker(plan, tmp_path, steps=STEPS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_parity(plan, tmp_path)
+
+
 @pytest.mark.slow  # -m slow: make test's time budget
 def test_recompute_is_bit_identical_to_none(tmp_path):
     plain = PLANS["hetero-5-3"]

@@ -14,7 +14,7 @@ from costmodel.errors import ElastorError
 from costmodel.hardware import DEVICE_KINDS
 from costmodel.jsonio import output_path, shown, span, write_json
 from costmodel.plan import DTYPES, MAX_GLOBAL_BATCH_SIZE
-from costmodel.profile import ModelProfile
+from costmodel.profile import ATTENTION_KERNELS, ModelProfile
 from costmodel.table import format_table
 from elastor.commands import subcommand
 from elastor.commands.argtypes import integer
@@ -79,6 +79,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=DTYPES,
         help="the dtype plans made from this profile train in (default: bfloat16 on CUDA and with "
         "--analytic, float32 on a CPU)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_KERNELS,
+        default="fused",
+        help="the attention kernel plans made from this profile run: fused (flash or memory-efficient, "
+        "as scaled_dot_product_attention dispatches) or math (unfused, the s x s scores in memory, as "
+        "Megatron-LM before FlashAttention) (default: %(default)s)",
     )
     p.add_argument(
         "--repeats",
@@ -253,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             tp_degrees=degrees,
             seq_len=args.seq_len,
             dtype=args.dtype or "bfloat16",
+            attention=args.attention,
         )
     else:
         from profiler.measure import check_device, measure_profile
@@ -270,13 +279,14 @@ def run(args: argparse.Namespace) -> int:
             warmup=defaults.WARMUP if args.warmup is None else args.warmup,
             threads=args.threads,
             progress=not args.quiet,
+            attention=args.attention,
         )
     write_json(args.out, profile.to_json())
     print(profile_table(profile))
     how = "analytic" if args.analytic else "measured"
     print(
-        f"wrote {args.out}: {config.name} on {profile.device_kind} ({how}, {profile.dtype}, seq_len "
-        f"{profile.seq_len}) in {time.perf_counter() - started:.2f} s"
+        f"wrote {args.out}: {config.name} on {profile.device_kind} ({how}, {profile.dtype}, "
+        f"{profile.attention} attention, seq_len {profile.seq_len}) in {time.perf_counter() - started:.2f} s"
     )
     if args.comm:
         measure_comm(args, profile.device_kind)
