@@ -1,0 +1,229 @@
+"""Resharding from the survivors' memory: the new plan's training state assembled from the old plan's
+surviving ranks over point-to-point, with no checkpoint file read (the first part of recovery without
+a restart).
+
+Under any plan every rank keeps the fp32 masters and AdamW moments of the rows
+`costmodel.sharding.state_boxes` gives it (runs of rows along each tensor's storage dimension, the
+checkpoint's unit). After a failure, the rows a rank of the new plan needs are either held by some
+survivor of the old plan (data parallelism of at least 2 leaves a copy of every unsharded row) or
+by nobody (the lost rank's ZeRO-1 slice, or a plan without replicas): then they must come from the
+storage checkpoint.
+
+`plan_transfers(old, new, survivors)` is a pure function of the two plans and the survivors, so
+every rank computes the same answer without talking: for each run of rows a rank of the new plan
+keeps, the survivors that hold each part of it; each part is taken from the rank itself when it
+holds it (a copy, no message), else from a holder on the same node, else from the holder with the
+fewest bytes to send so far (ties: the earlier rank of the old plan); adjacent parts from one run of
+one source merge into one transfer. Parts no survivor holds are listed as `missing`.
+
+`exchange(transfers, me, held, wanted, group, rank_of)` runs the transfers on one rank: in the
+transfers' global order, cut into rounds of at most `round_bytes` (every rank cuts the same rounds),
+each rank posts the sends and receives of the round that concern it as one batch of point-to-point
+operations and waits for them before the next. Every pair of ranks therefore posts its messages in
+one order, which is what gloo's tags and NCCL's group calls need, and at most a round's bytes are in
+flight. Why not `torch.distributed.checkpoint`'s resharding: it reads and writes storage; these
+states live in the survivors' memory.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+
+from costmodel.cluster import parse_device
+from costmodel.layout import ParamSpec
+from costmodel.plan import Plan
+from costmodel.sharding import state_boxes
+
+STATE_PREFIXES = ("", "optim.exp_avg.", "optim.exp_avg_sq.")  # the master, then its AdamW moments
+ROUND_BYTES = 256 << 20  # bytes in flight per round of an exchange
+
+
+def split_dim(spec: ParamSpec) -> int:
+    """The dimension state is kept and cut along: the TP split, else 0 (the checkpoint's)."""
+    return 0 if spec.shard_dim is None else spec.shard_dim
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, stop) of state tensor `name` (global `shape`) along dimension `dim`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        n = self.stop - self.start
+        for k, s in enumerate(self.shape):
+            if k != self.dim:
+                n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`rows` go from `source` (a survivor of the old plan) to `target` (a device of the new plan)."""
+
+    source: str
+    target: str
+    rows: Rows
+
+    @property
+    def local(self) -> bool:
+        return self.source == self.target
+
+
+@dataclass(frozen=True)
+class Transfers:
+    moves: tuple[Transfer, ...]  # in the global order every rank runs them in
+    missing: tuple[tuple[str, Rows], ...]  # (target device, rows of a master) no survivor holds
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def sent_bytes(self, itemsize: int = 4) -> int:
+        """Bytes that cross between ranks (local copies excluded)."""
+        return sum(m.rows.numel * itemsize for m in self.moves if not m.local)
+
+
+def _kept(plan: Plan, devices: Iterable[str]) -> dict[str, list[tuple[ParamSpec, int, int]]]:
+    """Per parameter name, the (device, start, stop) runs of rows each of `devices` keeps."""
+    boxes = state_boxes(plan)
+    runs: dict[str, list] = {}
+    for device in devices:
+        for spec, box in boxes[device]:
+            d = split_dim(spec)
+            runs.setdefault(spec.name, []).append((device, box.offsets[d], box.offsets[d] + box.sizes[d]))
+    return runs
+
+
+def plan_transfers(
+    old: Plan, new: Plan, survivors: Iterable[str], *, prefixes: Sequence[str] = STATE_PREFIXES
+) -> Transfers:
+    """Which survivor sends which rows to which device of `new` (module docstring)."""
+    alive = [d for d in old.devices if d in set(survivors)]
+    order = {d: i for i, d in enumerate(old.devices)}
+    held = _kept(old, alive)
+    load = dict.fromkeys(alive, 0)
+    moves: list[Transfer] = []
+    missing: list[tuple[str, Rows]] = []
+    for target in new.devices:
+        node = parse_device(target)[0]
+        for spec, box in state_boxes(new)[target]:
+            d = split_dim(spec)
+            a, b = box.offsets[d], box.offsets[d] + box.sizes[d]
+            owners = [(dev, lo, hi) for dev, lo, hi in held.get(spec.name, []) if lo < b and a < hi]
+            cuts = sorted({a, b} | {x for _, lo, hi in owners for x in (lo, hi) if a < x < b})
+            parts: list[tuple[str | None, int, int]] = []
+            for lo, hi in pairwise(cuts):
+                holders = [dev for dev, x, y in owners if x <= lo and hi <= y]
+                if not holders:
+                    source = None
+                elif target in holders:
+                    source = target
+                else:
+                    source = min(holders, key=lambda h: (parse_device(h)[0] != node, load[h], order[h]))
+                if parts and parts[-1][0] == source and _one_run(owners, source, parts[-1][1], hi):
+                    parts[-1] = (source, parts[-1][1], hi)
+                else:
+                    parts.append((source, lo, hi))
+            for source, lo, hi in parts:
+                if source is None:
+                    missing.append((target, Rows(spec.name, spec.shape, d, lo, hi)))
+                    continue
+                for prefix in prefixes:
+                    rows = Rows(prefix + spec.name, spec.shape, d, lo, hi)
+                    moves.append(Transfer(source, target, rows))
+                    if source != target:
+                        load[source] += rows.numel
+    return Transfers(tuple(moves), tuple(missing))
+
+
+def _one_run(owners, source: str | None, lo: int, hi: int) -> bool:
+    """Whether rows [lo, hi) lie in one run `source` keeps (a transfer reads one of its pieces), or
+    are held by no survivor at all (one missing span)."""
+    if source is None:
+        return True
+    return any(dev == source and x <= lo and hi <= y for dev, x, y in owners)
+
+
+class Pieces:
+    """A rank's state tensors by name, each a box of its global tensor (the fields of
+    `runtime.state.StatePiece`: name, offsets, tensor), looked up by rows."""
+
+    def __init__(self, pieces: Iterable):
+        self._by_name: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        for piece in pieces:
+            self._by_name.setdefault(piece.name, []).append((tuple(piece.offsets), piece.tensor))
+
+    def rows(self, rows: Rows) -> torch.Tensor:
+        """The view of `rows` in the piece that holds them all (KeyError if none does)."""
+        for offsets, tensor in self._by_name.get(rows.name, ()):
+            start = offsets[rows.dim]
+            if start <= rows.start and rows.stop <= start + tensor.shape[rows.dim]:
+                return tensor.narrow(rows.dim, rows.start - start, rows.stop - rows.start)
+        raise KeyError(f"no piece of {rows.name} holds rows [{rows.start}, {rows.stop})")
+
+
+def _rounds(moves: Sequence[Transfer], round_bytes: int, itemsize: int) -> list[list[Transfer]]:
+    rounds, current, size = [], [], 0
+    for move in moves:
+        nbytes = 0 if move.local else move.rows.numel * itemsize
+        if current and size + nbytes > round_bytes:
+            rounds.append(current)
+            current, size = [], 0
+        current.append(move)
+        size += nbytes
+    if current:
+        rounds.append(current)
+    return rounds
+
+
+@torch.no_grad()
+def exchange(
+    transfers: Transfers,
+    me: str,
+    held: Pieces,
+    wanted: Pieces,
+    *,
+    rank_of: Mapping[str, int],
+    group=None,
+    round_bytes: int = ROUND_BYTES,
+) -> int:
+    """Run the transfers that concern device `me`: copy what it holds itself, send what others need,
+    receive into `wanted` (module docstring). `rank_of` maps a device to its rank in `group` (every
+    survivor must be in it). Returns the bytes this rank received from others."""
+    received = 0
+    for batch in _rounds(transfers.moves, round_bytes, 4):
+        ops, landing = [], []
+        for move in batch:
+            if move.local:
+                if move.target == me:
+                    wanted.rows(move.rows).copy_(held.rows(move.rows))
+                continue
+            if move.source == me:
+                buffer = held.rows(move.rows).contiguous()
+                ops.append(dist.P2POp(dist.isend, buffer, _peer(rank_of[move.target], group), group))
+            elif move.target == me:
+                view = wanted.rows(move.rows)
+                buffer = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, _peer(rank_of[move.source], group), group))
+                landing.append((view, buffer))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        for view, buffer in landing:
+            view.copy_(buffer)
+            received += buffer.numel() * buffer.element_size()
+    return received
+
+
+def _peer(rank: int, group) -> int:
+    """The global rank of `rank` of `group` (P2POp takes global ranks)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
