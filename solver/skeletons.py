@@ -136,18 +136,19 @@ class Splitter:
         lo = bisect.bisect_left(
             range(len(times)), True, hi=len(times) - 1, key=lambda i: caps(times[i]) is not None
         )
-        first = self._fill(tps, runs, kinds, caps(times[lo]))
-        least = self._fill(tps, runs, kinds, caps(times[-1]))  # the smallest A at any M
+        first = self._template(tps, runs, kinds, self._blocks(tps, kinds, caps(times[lo])))
+        # the smallest A at any M: only its A is needed
+        least = self._pipeline_s(tps, runs, kinds, self._blocks(tps, kinds, caps(times[-1])))
         found = [first]
         for limit in times[lo + 1 : lo + 1 + MAX_EXTRA_THRESHOLDS]:
-            if (p - 1) * (limit - first.bottleneck_s) >= first.pipeline_s - least.pipeline_s:
+            if (p - 1) * (limit - first.bottleneck_s) >= first.pipeline_s - least:
                 break  # a larger M can no longer pay for itself with a smaller A
-            t = self._fill(tps, runs, kinds, caps(limit))
-            if t.pipeline_s < found[-1].pipeline_s:
-                found.append(t)
+            blocks = self._blocks(tps, kinds, caps(limit))
+            if self._pipeline_s(tps, runs, kinds, blocks) < found[-1].pipeline_s:
+                found.append(self._template(tps, runs, kinds, blocks))
         return found
 
-    def _fill(self, tps, runs, kinds: list[_Kind], caps: list[int]) -> Template:
+    def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
         """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree."""
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
@@ -166,11 +167,23 @@ class Splitter:
                 left -= 1
                 if blocks[s] < caps[s]:
                     heapq.heappush(heap, (kinds[s].params[blocks[s] + 1], s))
+        return blocks
+
+    def _stages(self, tps, kinds: list[_Kind], blocks: list[int]) -> list[tuple[int, int, int]]:
         stages, start = [], 0
         for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
             end = k.end[b] if s == 0 else start + b + (1 if s == len(tps) - 1 else 0)
             stages.append((start, end, tps[s]))
             start = end
+        return stages
+
+    def _pipeline_s(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> float:
+        """A of the split: one micro-batch through every stage and boundary (as `_template` sums it)."""
+        time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
+        return sum(time) + 2 * sum(exchanges_s(self.tables, self._stages(tps, kinds, blocks), runs))
+
+    def _template(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> Template:
+        stages = self._stages(tps, kinds, blocks)
         time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
         p2p = exchanges_s(self.tables, stages, runs)
         return Template(
