@@ -208,6 +208,11 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--save-at", type=int, default=-1, help="save the full state after this step")
     p.add_argument("--resume-from", help="a --save-at state directory, saved under any plan")
     p.add_argument("--measure-p2p", action="store_true", help="count the pipeline exchanges' socket bytes")
+    p.add_argument(
+        "--replan", help="after --replan-after steps, lose --lose and go on under this plan in-process"
+    )
+    p.add_argument("--replan-after", type=int, default=0)
+    p.add_argument("--lose", help="the device whose process leaves at the re-plan")
     args = p.parse_args(argv)
 
     marks = {"imported": time.time()}
@@ -243,6 +248,11 @@ def _worker(argv: list[str]) -> int:
 
     from runtime.metrics import MetricsWriter
 
+    if args.replan:
+        train(trainer, until_step=args.replan_after, after_step=after_step, progress=False)
+        trainer, ctx, plan = _replan_in_process(trainer, plan, args, out)
+        if trainer is None:
+            return 0
     metrics = MetricsWriter(out / "metrics.jsonl") if ctx.rank == 0 else None
     results = train(trainer, until_step=args.steps, metrics=metrics, after_step=after_step, progress=False)
     if metrics:
@@ -258,6 +268,53 @@ def _worker(argv: list[str]) -> int:
 
     dist.destroy_process_group()
     return 0
+
+
+def _replan_in_process(trainer, plan, args, out: Path):
+    """The survivors of losing device --lose go on under the --replan plan in the same processes: the
+    old process group torn down, a new one over the survivors (a file store in `out`), the new
+    plan's state fetched from the survivors' memory (runtime/elastic/peers.py), a trainer built for
+    it and restored, no checkpoint file read. The lost device's process just leaves. Returns (None,
+    None, None) there, else (trainer, its DistContext, the new plan); writes the phases' times."""
+    import torch
+    import torch.distributed as dist
+
+    from costmodel import Plan
+    from runtime.distributed import DistContext
+    from runtime.elastic.peers import fetch_state
+    from runtime.optim import OptimConfig
+    from runtime.state import restore_training_state, training_state
+    from runtime.trainer import Trainer
+
+    me = trainer.ctx.device_name
+    new = Plan.from_json(json.loads(Path(args.replan).read_text())).validate()
+    survivors = list(new.devices)
+    assert set(survivors) == set(plan.devices) - {args.lose}, "the new plan must use every survivor"
+    marks = {"start": time.perf_counter()}
+    pieces, meta = training_state(trainer)
+    trainer.close()
+    dist.destroy_process_group()
+    if me == args.lose:
+        return None, None, None
+    rank = survivors.index(me)
+    store = dist.FileStore(str(out / "replan.store"), len(survivors))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=len(survivors))
+    marks["joined"] = time.perf_counter()
+    tensors, transfers, received = fetch_state(
+        pieces, plan, new, survivors, me, rank_of={d: i for i, d in enumerate(survivors)}
+    )
+    marks["fetched"] = time.perf_counter()
+    ctx = DistContext(
+        rank=rank, world_size=len(survivors), device_name=me, device=torch.device("cpu"), backend="gloo"
+    )
+    trainer = Trainer(new, ctx, optim=OptimConfig(**PARITY_OPTIM), seed=0)
+    restore_training_state(trainer, tensors, meta)
+    marks["restored"] = time.perf_counter()
+    phases = {k: marks[k] - marks["start"] for k in ("joined", "fetched", "restored")}
+    (out / f"replan{rank}.json").write_text(
+        json.dumps({**phases, "received_bytes": received, "moves": len(transfers.moves)})
+    )
+    return trainer, ctx, new
 
 
 def _proc_wchar() -> int:

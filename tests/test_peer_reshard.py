@@ -10,6 +10,7 @@ that lost one device, run the exchange and end with the new plan's state, bit fo
 """
 
 import dataclasses
+import json
 import multiprocessing
 import os
 import random
@@ -212,3 +213,26 @@ def test_three_survivors_exchange_the_new_plan_state_over_gloo():
         p.join()
     failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not alive and not failures and all(p.exitcode == 0 for p in procs), failures
+
+
+def test_survivors_replan_in_process_and_train_on_as_one_process(tmp_path):
+    """Four processes train two replicas (TP2 > TP1 on one node, the whole model on another) for 4
+    steps; the TP1 device's process leaves, and the three survivors go on in the same processes
+    under a plan of two replicas (TP2, and the other node's), their state fetched from each other's
+    memory with no checkpoint. Steps 5-10 and the final weights equal one uninterrupted process."""
+    from dist_helpers import plan_json, run_worker
+    from test_runtime_parity import STEPS, check_parity
+
+    model = TINY.to_json()
+    before = plan_json(
+        model, [(2, [((0, 3), ["n0:0", "n0:1"]), ((3, 6), ["n0:2"])]), (2, [((0, 6), ["n1:0"])])]
+    )
+    after = plan_json(model, [(2, [((0, 6), ["n0:0", "n0:1"])]), (2, [((0, 6), ["n1:0"])])])
+    (tmp_path / "after.json").write_text(json.dumps(after))
+    extra = ["--replan", str(tmp_path / "after.json"), "--replan-after", "4", "--lose", "n0:2"]
+    result = run_worker(before, tmp_path, steps=STEPS, extra=extra)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_parity(after, tmp_path, first_step=4)
+    phases = [json.loads((tmp_path / f"replan{r}.json").read_text()) for r in range(3)]
+    assert sum(p["received_bytes"] for p in phases) > 0  # n0:0 and n0:1 took blocks 3-5 from n1:0
+    assert not list(tmp_path.glob("**/step-*"))  # no checkpoint anywhere

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from costmodel.cluster import parse_device
+from costmodel.errors import ElastorError
 from costmodel.layout import ParamSpec
 from costmodel.plan import Plan
 from costmodel.sharding import state_boxes
@@ -227,3 +228,63 @@ def exchange(
 def _peer(rank: int, group) -> int:
     """The global rank of `rank` of `group` (P2POp takes global ranks)."""
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class MissingRows(ElastorError):
+    """Rows of the new plan's state that no survivor holds (the storage checkpoint must supply them)."""
+
+    def __init__(self, transfers: Transfers):
+        self.transfers = transfers
+        first = transfers.missing[0]
+        super().__init__(
+            f"{len(transfers.missing)} runs of rows of the new plan's state are held by no survivor, the "
+            f"first rows [{first[1].start}, {first[1].stop}) of {first[1].name} for {first[0]}."
+        )
+
+
+def fetch_state(
+    held_pieces: Iterable,
+    old: Plan,
+    new: Plan,
+    survivors: Sequence[str],
+    me: str,
+    *,
+    rank_of: Mapping[str, int],
+    group=None,
+    round_bytes: int = ROUND_BYTES,
+    device: torch.device | str = "cpu",
+) -> tuple[dict[tuple[str, tuple[int, ...]], torch.Tensor], Transfers, int]:
+    """The state device `me` keeps under `new` (its boxes of every master and moment, keyed by (name,
+    offsets) as `runtime.state.restore_training_state` takes them; empty for a survivor the new plan
+    leaves out), filled from the survivors' `held_pieces` (each survivor passes its own: the
+    `runtime.state.state_pieces` of its trainer under `old`). Every survivor calls it together, in
+    `group` (`rank_of` gives each survivor's rank there). Raises `MissingRows` on every survivor,
+    before any message, when some rows are held by none. Returns the tensors, the transfers and the
+    bytes this rank received."""
+    transfers = plan_transfers(old, new, survivors)
+    if not transfers.complete:
+        raise MissingRows(transfers)
+    tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    mine = []
+    for spec, box in state_boxes(new)[me] if me in new.devices else ():
+        for prefix in STATE_PREFIXES:
+            tensor = torch.empty(box.sizes, dtype=torch.float32, device=device)
+            tensors[prefix + spec.name, box.offsets] = tensor
+            mine.append(_Held(prefix + spec.name, box.offsets, tensor))
+    received = exchange(
+        transfers,
+        me,
+        Pieces(held_pieces),
+        Pieces(mine),
+        rank_of=rank_of,
+        group=group,
+        round_bytes=round_bytes,
+    )
+    return tensors, transfers, received
+
+
+@dataclass(frozen=True)
+class _Held:
+    name: str
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
