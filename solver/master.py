@@ -308,16 +308,23 @@ class Master:
 
     # ---- one template repeated: quick answers ------------------------------------------------------
     def set_scale(self, scale: _Scale) -> None:
-        """Fix the integer unit and tabulate each template's overhead for every pipeline count."""
+        """Fix the integer unit and tabulate, per template and pipeline count, its overhead alone and
+        the two sync terms the CP-SAT model sums (in units)."""
         self.scale = scale
         counts = range(1, self.p_max + 1)
-        self.units = np.array(
-            [
-                [scale(self.sync(P, t).exposed_s(t.hide_s)) + scale(t.optimizer_s) for P in counts]
-                for t in self.templates
-            ],
-            dtype=np.int64,
-        ).reshape(len(self.templates), self.p_max)
+        shape = (len(self.templates), self.p_max)
+        units, floors, reduces = (
+            np.zeros(shape, np.int64),
+            np.zeros(shape, np.int64),
+            np.zeros(shape, np.int64),
+        )
+        for i, t in enumerate(self.templates):
+            for P in counts:
+                s = self.sync(P, t)
+                units[i, P - 1] = scale(s.exposed_s(t.hide_s)) + scale(t.optimizer_s)
+                floors[i, P - 1] = scale(s.floor_s + s.gather_s)
+                reduces[i, P - 1] = scale(s.reduce_s + s.gather_s)
+        self.units, self.floor_units, self.reduce_units = units, floors, reduces
 
     def most_pipelines(self, cap: float) -> np.ndarray:
         """Per template, the most pipelines a plan using it can have within overhead cap (units)."""
@@ -474,12 +481,13 @@ class Master:
         # P as one-hot b[P]; sync grows with P, and the pipeline that hides least of it sets it.
         counts = range(self.p_min, self.p_max + 1)
         b = {P: model.NewBoolVar(f"P{P}") for P in counts}
-        model.AddExactlyOne(b.values())
+        b_list = list(b.values())
+        model.AddExactlyOne(b_list)
         model.Add(sum(n.values()) == sum(P * b[P] for P in counts))
         scale = self.scale
         allowed = self.most_pipelines(cap)
-        top = [self.sync(self.p_max, self.templates[i]) for i in live]
-        x = model.NewIntVar(0, max(scale(s.reduce_s + s.floor_s + s.gather_s) for s in top), "sync")
+        top = max(int(self.reduce_units[i, -1] + self.floor_units[i, -1]) for i in live)
+        x = model.NewIntVar(0, top, "sync")
         # the plan's hide window: the least of its pipelines' (costmodel.estimate.plan_sync_s)
         h = model.NewIntVar(0, max(scale(self.templates[i].hide_s) for i in live), "hide")
         o = model.NewIntVar(0, scale(max(self.templates[i].optimizer_s for i in live)), "optimizer")
@@ -493,13 +501,11 @@ class Master:
                 model.Add(n[i] <= most)
                 for P in range(max(most + 1, self.p_min), self.p_max + 1):
                     model.AddImplication(used, b[P].Not())
-            syncs = {P: self.sync(P, t) for P in counts}
             model.Add(h <= scale(t.hide_s)).OnlyEnforceIf(used)
-            floor = sum(scale(s.floor_s + s.gather_s) * b[P] for P, s in syncs.items())
+            floor = cp_model.LinearExpr.WeightedSum(b_list, self.floor_units[i, self.p_min - 1 :].tolist())
             model.Add(x >= floor).OnlyEnforceIf(used)
-            model.Add(
-                x >= sum(scale(s.reduce_s + s.gather_s) * b[P] for P, s in syncs.items()) - h
-            ).OnlyEnforceIf(used)
+            reduce = cp_model.LinearExpr.WeightedSum(b_list, self.reduce_units[i, self.p_min - 1 :].tolist())
+            model.Add(x >= reduce - h).OnlyEnforceIf(used)
             model.Add(o >= scale(t.optimizer_s)).OnlyEnforceIf(used)
         extra = x + o
         if math.isfinite(cap):
