@@ -499,8 +499,9 @@ class Master:
             if math.isfinite(cap):  # sync grows with P: the cap bounds the pipelines this template allows
                 most = int(allowed[i])
                 model.Add(n[i] <= most)
-                for P in range(max(most + 1, self.p_min), self.p_max + 1):
-                    model.AddImplication(used, b[P].Not())
+                banned = [b[P] for P in range(max(most + 1, self.p_min), self.p_max + 1)]
+                if banned:  # the template rules out more pipelines: one clique with the counts it bans
+                    model.AddAtMostOne([used, *banned])
             model.Add(h <= scale(t.hide_s)).OnlyEnforceIf(used)
             floor = cp_model.LinearExpr.WeightedSum(b_list, self.floor_units[i, self.p_min - 1 :].tolist())
             model.Add(x >= floor).OnlyEnforceIf(used)
