@@ -37,14 +37,11 @@ from costmodel.errors import ElastorError
 from costmodel.layout import ParamSpec
 from costmodel.plan import Plan
 from costmodel.sharding import state_boxes
+from runtime.checkpoint.assign import split_dim
+from runtime.checkpoint.format import OPTIMIZER_PREFIXES
 
-STATE_PREFIXES = ("", "optim.exp_avg.", "optim.exp_avg_sq.")  # the master, then its AdamW moments
+STATE_PREFIXES = ("", *OPTIMIZER_PREFIXES)  # the master, then its AdamW moments
 ROUND_BYTES = 256 << 20  # bytes in flight per round of an exchange
-
-
-def split_dim(spec: ParamSpec) -> int:
-    """The dimension state is kept and cut along: the TP split, else 0 (the checkpoint's)."""
-    return 0 if spec.shard_dim is None else spec.shard_dim
 
 
 @dataclass(frozen=True)
