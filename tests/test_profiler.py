@@ -265,3 +265,49 @@ def test_a_bad_model_file_is_a_user_error(capsys, tmp_path):
     assert "is not valid JSON" in user_error(
         capsys, "profile", "--model", str(bad), "--out", str(tmp_path / "p")
     )
+
+
+def test_a_math_attention_profile_makes_plans_that_run_the_math_kernel(tmp_path, capsys):
+    """`elastor profile --attention math` records the kernel; `elastor plan` writes it into the plan,
+    and `elastor estimate` prices that plan as `plan` did (the kernel is part of the plan's world)."""
+    profile, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    common = ["--model", "gpt-tiny", "--seq-len", "64", "--micro-batch-size", "1,2", "--tp-degrees", "1,2"]
+    assert (
+        main(
+            [
+                "profile",
+                *common,
+                "--analytic",
+                "--device-kind",
+                "cpu",
+                "--attention",
+                "math",
+                "--out",
+                str(profile),
+            ]
+        )
+        == 0
+    )
+    assert json.loads(profile.read_text())["attention"] == "math"
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(profile),
+                "--cluster",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--out",
+                str(plan),
+            ]
+        )
+        == 0
+    )
+    written = json.loads(plan.read_text())
+    assert written["attention"] == "math"
+    capsys.readouterr()
+    assert main(["estimate", str(plan), "--profile", str(profile), "--cluster", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "math attention" in out and "equal to the prediction the plan file records" in out
