@@ -166,6 +166,11 @@ def test_data_parallel_replicas_cover_a_lost_device_and_zero1_slices_do_not():
     sharded = plan_transfers(_two_replicas("zero1"), new, survivors)
     assert not sharded.complete  # n0:2's slices of blocks 2-5 and the head were kept nowhere else
     assert {m.name.split(".")[0] for _, m in sharded.missing} <= {"blocks", "head", "embed"}
+    # fetch_state refuses before any message (no process group is needed to find out)
+    from runtime.elastic.peers import MissingRows, fetch_state
+
+    with pytest.raises(MissingRows, match="held by no survivor"):
+        fetch_state([], _two_replicas("zero1"), new, survivors, "n0:0", rank_of={})
 
 
 def _survivor(rank: int, port: int, errors) -> None:
