@@ -23,6 +23,7 @@ SIGKILL, on CPU with 3 ranks). A rank that hangs while alive is caught by the pr
 stops it (8 s with a 5 s timeout). tests/test_runtime_failure.py holds these bounds.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -173,3 +174,15 @@ class ProcessGroups:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def leave_job() -> None:
+    """Tear down every process group of this process so that its peers' pending operations with it
+    fail at once (the first step of an in-process recovery): destroy them, then collect them. Gloo
+    closes a group's connections only when the group object is freed, and `ProcessGroup.abort` does
+    not close them there (measured: a peer blocked in a collective errs when the group is freed, 1 s
+    after the failure in the test, not when it is aborted), so the caller must first drop every
+    reference to them (the trainer that holds them)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

@@ -194,7 +194,7 @@ def _worker(argv: list[str]) -> int:
     from runtime.distributed import init_distributed
     from runtime.loop import train
     from runtime.optim import OptimConfig
-    from runtime.state import restore_training_state, state_pieces
+    from runtime.state import restore_training_state, state_pieces, training_state
     from runtime.trainer import Trainer
 
     p = argparse.ArgumentParser()
@@ -213,6 +213,13 @@ def _worker(argv: list[str]) -> int:
     )
     p.add_argument("--replan-after", type=int, default=0)
     p.add_argument("--lose", help="the device whose process leaves at the re-plan")
+    p.add_argument(
+        "--lose-in",
+        choices=("boundary", "forward", "reduction", "optimizer"),
+        default="boundary",
+        help="when --lose's process dies: after step --replan-after, or inside the next step (its "
+        "pipeline schedule, its gradient reduction, or just before its optimizer step)",
+    )
     args = p.parse_args(argv)
 
     marks = {"imported": time.time()}
@@ -249,8 +256,21 @@ def _worker(argv: list[str]) -> int:
     from runtime.metrics import MetricsWriter
 
     if args.replan:
-        train(trainer, until_step=args.replan_after, after_step=after_step, progress=False)
-        trainer, ctx, plan = _replan_in_process(trainer, plan, args, out)
+        if args.lose_in == "boundary":
+            train(trainer, until_step=args.replan_after, after_step=after_step, progress=False)
+        else:  # the lost process dies inside step replan_after + 1; the survivors notice
+            if ctx.device_name == args.lose:
+                _die_inside_step(trainer, args.replan_after + 1, args.lose_in)
+            try:
+                train(trainer, until_step=args.steps, after_step=after_step, progress=False)
+                raise AssertionError("the survivors trained on without noticing the lost process")
+            except RuntimeError:  # a collective or a transfer with the lost process failed
+                (out / f"noticed{ctx.rank}").write_text(str(trainer.step))
+        me = ctx.device_name
+        state = training_state(trainer)
+        trainer.close()
+        trainer = None  # the last reference to the old process groups: leave_job frees them
+        trainer, ctx, plan = _replan_in_process(state, me, plan, args, out)
         if trainer is None:
             return 0
     metrics = MetricsWriter(out / "metrics.jsonl") if ctx.rank == 0 else None
@@ -270,36 +290,56 @@ def _worker(argv: list[str]) -> int:
     return 0
 
 
-def _replan_in_process(trainer, plan, args, out: Path):
+def _die_inside_step(trainer, step: int, phase: str) -> None:
+    """Make this process exit at once at `phase` of training step `step` (1-based)."""
+    owner, name = {
+        "forward": (trainer.schedule, "run"),
+        "reduction": (trainer.main, "finish_reduction"),
+        "optimizer": (trainer.optimizer, "step"),
+    }[phase]
+    original = getattr(owner, name)
+
+    def dying(*a, **k):
+        if trainer.step + 1 == step:
+            os._exit(0)
+        return original(*a, **k)
+
+    setattr(owner, name, dying)
+
+
+def _replan_in_process(state, me: str, plan, args, out: Path):
     """The survivors of losing device --lose go on under the --replan plan in the same processes: the
     old process group torn down, a new one over the survivors (a file store in `out`), the new
     plan's state fetched from the survivors' memory (runtime/elastic/peers.py), a trainer built for
-    it and restored, no checkpoint file read. The lost device's process just leaves. Returns (None,
+    it and restored, no checkpoint file read. The lost device's process just leaves. `state` is the
+    old trainer's `training_state`, the trainer itself closed and dropped (leave_job). Returns (None,
     None, None) there, else (trainer, its DistContext, the new plan); writes the phases' times."""
     import torch
     import torch.distributed as dist
 
     from costmodel import Plan
-    from runtime.distributed import DistContext
+    from runtime.distributed import DistContext, leave_job
     from runtime.elastic.peers import fetch_state
     from runtime.optim import OptimConfig
-    from runtime.state import restore_training_state, training_state
+    from runtime.state import restore_training_state
     from runtime.trainer import Trainer
 
-    me = trainer.ctx.device_name
     new = Plan.from_json(json.loads(Path(args.replan).read_text())).validate()
     survivors = list(new.devices)
     assert set(survivors) == set(plan.devices) - {args.lose}, "the new plan must use every survivor"
     marks = {"start": time.perf_counter()}
-    pieces, meta = training_state(trainer)
-    trainer.close()
-    dist.destroy_process_group()
+    pieces, meta = state
+    leave_job()
     if me == args.lose:
         return None, None, None
     rank = survivors.index(me)
     store = dist.FileStore(str(out / "replan.store"), len(survivors))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=len(survivors))
     marks["joined"] = time.perf_counter()
+    from runtime.elastic.peers import agreed_step
+
+    if agreed_step(meta["step"]) is None:
+        raise AssertionError("the survivors stopped on different steps")
     tensors, transfers, received = fetch_state(
         pieces, plan, new, survivors, me, rank_of={d: i for i, d in enumerate(survivors)}
     )

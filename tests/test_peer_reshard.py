@@ -75,7 +75,7 @@ def _seeds(count: int, default: int) -> list:
     return [pytest.param(s, marks=pytest.mark.slow) if s >= default else s for s in range(count)]
 
 
-@pytest.mark.parametrize("seed", _seeds(60, 8))
+@pytest.mark.parametrize("seed", _seeds(60, 6))
 def test_every_kept_row_arrives_once_from_a_survivor_that_holds_it(seed):
     old, new, survivors = _case(seed)
     transfers = plan_transfers(old, new, survivors)
@@ -115,7 +115,7 @@ def _complete_case(seed: int):
     raise AssertionError("no complete case")
 
 
-@pytest.mark.parametrize("seed", _seeds(20, 3))
+@pytest.mark.parametrize("seed", _seeds(20, 2))
 def test_replaying_the_transfers_builds_every_new_rank_state(seed):
     old, new, survivors, transfers = _complete_case(seed)
     held = {d: Pieces(rank_pieces(old, old.devices.index(d))) for d in survivors}
@@ -203,6 +203,7 @@ def _survivor(rank: int, port: int, errors) -> None:
         raise
 
 
+@pytest.mark.slow  # make test's budget: the re-plan test below exchanges over gloo too
 def test_three_survivors_exchange_the_new_plan_state_over_gloo():
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
@@ -220,11 +221,21 @@ def test_three_survivors_exchange_the_new_plan_state_over_gloo():
     assert not alive and not failures and all(p.exitcode == 0 for p in procs), failures
 
 
-def test_survivors_replan_in_process_and_train_on_as_one_process(tmp_path):
-    """Four processes train two replicas (TP2 > TP1 on one node, the whole model on another) for 4
-    steps; the TP1 device's process leaves, and the three survivors go on in the same processes
-    under a plan of two replicas (TP2, and the other node's), their state fetched from each other's
-    memory with no checkpoint. Steps 5-10 and the final weights equal one uninterrupted process."""
+# the phase of step 5 the lost process dies in -> the step the survivors' state is at
+PHASES = {"boundary": 4, "forward": 4, "reduction": 4, "optimizer": 5}
+
+
+@pytest.mark.parametrize(
+    "phase", [p if p == "reduction" else pytest.param(p, marks=pytest.mark.slow) for p in PHASES]
+)
+def test_survivors_replan_in_process_and_train_on_as_one_process(phase, tmp_path):
+    """Four processes train two replicas (TP2 > TP1 on one node, the whole model on another); the TP1
+    device's process dies after step 4 or inside step 5 (in its pipeline schedule, its gradient
+    reduction, or just before its optimizer step, after the step's all-reduce). The three survivors
+    notice (a collective with it fails), agree on the step their state is at, and go on in the same
+    processes under a plan of two replicas (TP2, and the other node's), their state fetched from each
+    other's memory with no checkpoint; the step in flight is redone. The steps after and the final
+    weights equal one uninterrupted process."""
     from dist_helpers import plan_json, run_worker
     from test_runtime_parity import STEPS, check_parity
 
@@ -234,10 +245,26 @@ def test_survivors_replan_in_process_and_train_on_as_one_process(tmp_path):
     )
     after = plan_json(model, [(2, [((0, 6), ["n0:0", "n0:1"])]), (2, [((0, 6), ["n1:0"])])])
     (tmp_path / "after.json").write_text(json.dumps(after))
-    extra = ["--replan", str(tmp_path / "after.json"), "--replan-after", "4", "--lose", "n0:2"]
-    result = run_worker(before, tmp_path, steps=STEPS, extra=extra)
+    extra = [
+        "--replan",
+        str(tmp_path / "after.json"),
+        "--replan-after",
+        "4",
+        "--lose",
+        "n0:2",
+        "--lose-in",
+        phase,
+    ]
+    # A survivor blocked in a collective whose other members are survivors that have left for the
+    # new group (not the lost process itself) is freed by the group's timeout: gloo has no abort
+    # that closes its connections (runtime.distributed.leave_job), so keep it short here.
+    extra += ["--timeout-s", "5"]
+    result = run_worker(before, tmp_path, steps=STEPS, extra=extra, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
-    check_parity(after, tmp_path, first_step=4)
+    if phase != "boundary":
+        noticed = [int(f.read_text()) for f in tmp_path.glob("noticed*")]
+        assert sorted(noticed) == [PHASES[phase]] * 3, noticed  # every survivor, on one step
+    check_parity(after, tmp_path, first_step=PHASES[phase])
     phases = [json.loads((tmp_path / f"replan{r}.json").read_text()) for r in range(3)]
     assert sum(p["received_bytes"] for p in phases) > 0  # n0:0 and n0:1 took blocks 3-5 from n1:0
     assert not list(tmp_path.glob("**/step-*"))  # no checkpoint anywhere

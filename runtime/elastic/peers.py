@@ -1,6 +1,6 @@
 """Resharding from the survivors' memory: the new plan's training state assembled from the old plan's
 surviving ranks over point-to-point, with no checkpoint file read (the first part of recovery without
-a restart).
+a restart; `agreed_step` is its commit check).
 
 Under any plan every rank keeps the fp32 masters and AdamW moments of the rows
 `costmodel.sharding.state_boxes` gives it (runs of rows along each tensor's storage dimension, the
@@ -285,3 +285,16 @@ class _Held:
     name: str
     offsets: tuple[int, ...]
     tensor: torch.Tensor
+
+
+def agreed_step(step: int, group=None) -> int | None:
+    """The step every survivor's state is at, or None when they differ (a failure inside the step's
+    final all-reduce, which some ranks completed and went on to update from: the in-process path is
+    then not taken and the storage checkpoint is loaded instead). The commit point of a step is that
+    all-reduce: a failure before it leaves every survivor on the previous step, one after it (the
+    optimizer step is local, a ZeRO-1 all-gather only republishes what every holder has updated)
+    every survivor on this one, and the step in flight is redone from the agreed one."""
+    extremes = torch.tensor([step, -step], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = int(extremes[0]), -int(extremes[1])
+    return step if highest == lowest else None
