@@ -151,6 +151,15 @@ def _one_run(owners, source: str | None, lo: int, hi: int) -> bool:
     return any(dev == source and x <= lo and hi <= y for dev, x, y in owners)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """One box of a state tensor a rank keeps (the fields `Pieces` reads)."""
+
+    name: str
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
 class Pieces:
     """A rank's state tensors by name, each a box of its global tensor (the fields of
     `runtime.state.StatePiece`: name, offsets, tensor), looked up by rows."""
@@ -278,13 +287,6 @@ def fetch_state(
         round_bytes=round_bytes,
     )
     return tensors, transfers, received
-
-
-@dataclass(frozen=True)
-class _Held:
-    name: str
-    offsets: tuple[int, ...]
-    tensor: torch.Tensor
 
 
 def agreed_step(step: int, group=None) -> int | None:
