@@ -447,6 +447,8 @@ class CostModel:
         hidden = mbs * seq * model.hidden_size * dt  # one whole activation
         tp_fwd = tp_bwd = 0.0
         recompute_fwd_s = 0.0  # compute a recomputation reruns in backward
+        kind_of_device = DEVICE_KINDS.get(prof.device_kind)  # prices the math kernel's core share
+        priced_on = (dtype, kind_of_device) if kind_of_device is not None else None
         activations = transient = 0
         for i, c in zip(range(start, end), costs, strict=True):
             kind = model.layer_kind(i)
@@ -457,8 +459,6 @@ class CostModel:
                 recompute_fwd_s += c.fwd_s
                 tp_bwd += fwd_comm
             elif mode == "selective":
-                device = DEVICE_KINDS.get(prof.device_kind)
-                priced_on = (dtype, device) if device is not None else None
                 recompute_fwd_s += c.fwd_s * analytic.attention_core_fraction(
                     model, mbs, seq, tp, prof.attention, priced_on
                 )

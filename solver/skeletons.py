@@ -178,9 +178,9 @@ class Splitter:
         return stages
 
     def _pipeline_s(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> float:
-        """A of the split: one micro-batch through every stage and boundary (as `_template` sums it)."""
+        """A of the split: one micro-batch through every stage and each boundary both ways."""
         time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
-        return sum(time) + 2 * sum(exchanges_s(self.tables, self._stages(tps, kinds, blocks), runs))
+        return _one_micro_batch_s(time, exchanges_s(self.tables, self._stages(tps, kinds, blocks), runs))
 
     def _template(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> Template:
         stages = self._stages(tps, kinds, blocks)
@@ -189,12 +189,17 @@ class Splitter:
         return Template(
             tuple(stages),
             tuple(runs),
-            sum(time) + 2 * sum(p2p),
+            _one_micro_batch_s(time, p2p),
             steady_period_s(time, p2p),
             max(k.params[b] for k, b in zip(kinds, blocks, strict=True)),
             max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
             *sync_terms(self.tables, stages, runs),
         )
+
+
+def _one_micro_batch_s(time: list[float], p2p: list[float]) -> float:
+    """A: every stage's forward and backward, each boundary's exchange both ways."""
+    return sum(time) + 2 * sum(p2p)
 
 
 def compositions(capacity: int, tps: Sequence[int]) -> list[tuple[int, ...]]:

@@ -319,7 +319,7 @@ def _replan_in_process(state, me: str, plan, args, out: Path):
 
     from costmodel import Plan
     from runtime.distributed import DistContext, leave_job
-    from runtime.elastic.peers import fetch_state
+    from runtime.elastic.peers import agreed_step, fetch_state
     from runtime.optim import OptimConfig
     from runtime.state import restore_training_state
     from runtime.trainer import Trainer
@@ -336,8 +336,6 @@ def _replan_in_process(state, me: str, plan, args, out: Path):
     store = dist.FileStore(str(out / "replan.store"), len(survivors))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=len(survivors))
     marks["joined"] = time.perf_counter()
-    from runtime.elastic.peers import agreed_step
-
     if agreed_step(meta["step"]) is None:
         raise AssertionError("the survivors stopped on different steps")
     tensors, transfers, received = fetch_state(

@@ -34,14 +34,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from costmodel.analytic import FP32_BYTES
 from costmodel.cluster import parse_device
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from costmodel.sharding import state_boxes
 from runtime.checkpoint.assign import split_dim
 from runtime.checkpoint.format import OPTIMIZER_PREFIXES
+from runtime.state import StatePiece
 
-STATE_PREFIXES = ("", *OPTIMIZER_PREFIXES)  # the master, then its AdamW moments
+STATE_PREFIXES = ("", *OPTIMIZER_PREFIXES)  # the master, then its AdamW moments, all fp32
 ROUND_BYTES = 256 << 20  # bytes in flight per round of an exchange
 
 
@@ -86,9 +88,9 @@ class Transfers:
     def complete(self) -> bool:
         return not self.missing
 
-    def sent_bytes(self, itemsize: int = 4) -> int:
+    def sent_bytes(self) -> int:
         """Bytes that cross between ranks (local copies excluded)."""
-        return sum(m.rows.numel * itemsize for m in self.moves if not m.local)
+        return sum(m.rows.numel * FP32_BYTES for m in self.moves if not m.local)
 
 
 @dataclass
@@ -184,15 +186,6 @@ def plan_transfers(
     return Transfers(tuple(moves), tuple(missing))
 
 
-@dataclass(frozen=True)
-class _Held:
-    """One box of a state tensor a rank keeps (the fields `Pieces` reads)."""
-
-    name: str
-    offsets: tuple[int, ...]
-    tensor: torch.Tensor
-
-
 class Pieces:
     """A rank's state tensors by name, each a box of its global tensor (the fields of
     `runtime.state.StatePiece`: name, offsets, tensor), looked up by rows."""
@@ -211,10 +204,10 @@ class Pieces:
         raise KeyError(f"no piece of {rows.name} holds rows [{rows.start}, {rows.stop})")
 
 
-def _rounds(moves: Sequence[Transfer], round_bytes: int, itemsize: int) -> list[list[Transfer]]:
+def _rounds(moves: Sequence[Transfer], round_bytes: int) -> list[list[Transfer]]:
     rounds, current, size = [], [], 0
     for move in moves:
-        nbytes = 0 if move.local else move.rows.numel * itemsize
+        nbytes = 0 if move.local else move.rows.numel * FP32_BYTES
         if current and size + nbytes > round_bytes:
             rounds.append(current)
             current, size = [], 0
@@ -240,7 +233,7 @@ def exchange(
     receive into `wanted` (module docstring). `rank_of` maps a device to its rank in `group` (every
     survivor must be in it). Returns the bytes this rank received from others."""
     received = 0
-    for batch in _rounds(transfers.moves, round_bytes, 4):
+    for batch in _rounds(transfers.moves, round_bytes):
         ops, landing = [], []
         for move in batch:
             if move.local:
@@ -309,7 +302,7 @@ def fetch_state(
         for prefix in STATE_PREFIXES:
             tensor = torch.empty(box.sizes, dtype=torch.float32, device=device)
             tensors[prefix + spec.name, box.offsets] = tensor
-            mine.append(_Held(prefix + spec.name, box.offsets, tensor))
+            mine.append(StatePiece(prefix + spec.name, spec.shape, box.offsets, tensor))
     received = exchange(
         transfers,
         me,
