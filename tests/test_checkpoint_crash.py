@@ -2,7 +2,9 @@
 
 Each trial starts fresh processes under a new random plan (as an elastic restart would), which save
 steps back to back from where the newest checkpoint left off, and kills them all after a random
-delay: while snapshotting, writing, fsyncing, committing, updating `latest` or pruning. After every
+delay: while snapshotting, writing, fsyncing, committing, updating `latest` or pruning. Every other
+trial waits instead until a save is in flight and kills it there, so the suite exercises torn saves
+however fast the machine's disk is. After every
 kill the newest complete checkpoint must exist if any commit was reported, be at least as new as the
 last reported one, verify, and load bit-identically under yet another plan; `.tmp-*` leftovers of
 killed saves are never picked, and the next trial's processes clean them up.
@@ -39,7 +41,7 @@ def test_sigkill_at_random_moments_never_loses_the_newest_complete_checkpoint(tm
     log = tmp_path / "commits.log"
     log.touch()
     mid_save = 0
-    for _ in range(trials):
+    for trial in range(trials):
         newest = latest_checkpoint(directory)
         first_step = 1 + (int(newest.name.split("-")[1]) if newest else 0)
         plan = random_plan(rng, world_size=rng.randint(1, 4))
@@ -59,7 +61,10 @@ def test_sigkill_at_random_moments_never_loses_the_newest_complete_checkpoint(tm
                 time.sleep(0.005)
             for r in ready:
                 r.unlink(missing_ok=True)
-            time.sleep(rng.uniform(0.0, 0.4))
+            if trial % 2:
+                time.sleep(rng.uniform(0.0, 0.4))
+            else:  # kill the moment a save of this session is on disk but not yet committed
+                wait_for_a_save_in_flight(directory, session, after=rng.randint(0, 3))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -72,6 +77,23 @@ def test_sigkill_at_random_moments_never_loses_the_newest_complete_checkpoint(tm
         check_newest(directory, log, rng)
     assert len(log.read_text().split()) >= trials // 4, "many trials should commit a save before the kill"
     assert mid_save >= trials // 4, f"only {mid_save} kills landed in the middle of a save"
+
+
+def wait_for_a_save_in_flight(directory: Path, session: str, after: int, timeout_s: float = 30.0) -> None:
+    """Return once `session` has begun its (after + 1)-th save that is still uncommitted when seen: a
+    `.tmp-<session>` entry under `directory` (each save writes its own). Seeing it takes a directory
+    listing, so the kill lands inside that save unless it commits in the microseconds between."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            names = [e.name for e in os.scandir(directory) if e.name.startswith(f".tmp-{session}")]
+        except FileNotFoundError:
+            names = []
+        seen.update(names)
+        if names and len(seen) > after:
+            return
+    raise AssertionError(f"no save of session {session} was seen in flight within {timeout_s:.0f} s")
 
 
 def check_newest(directory, log, rng) -> None:
