@@ -7,6 +7,7 @@ from pathlib import Path
 from costmodel import ClusterSpec, ElastorError, ModelProfile
 from costmodel.cluster import of_kind
 from costmodel.jsonio import read_json
+from costmodel.plan import SHARDING
 from elastor.commands import subcommand
 from elastor.commands.argtypes import (
     GLOBAL_BATCH_SIZE,
@@ -129,6 +130,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"the missing ones, {SECONDS} (default: %(default)s)",
     )
     p.add_argument(
+        "--sharding",
+        choices=("auto", *SHARDING),
+        default="none",
+        help="optimizer state of every round's plan: sharded over each bucket's holders (zero1: a lost "
+        "GPU's slice then exists nowhere else, so its recovery restarts from the checkpoint), not (none; "
+        "default), or whichever is faster (auto)",
+    )
+    p.add_argument(
+        "--recovery",
+        choices=("in-process", "restart"),
+        default="in-process",
+        help="after a worker dies: its surviving peers re-plan and reshard from each other's memory in "
+        "their processes, falling back to a restart where they cannot (in-process, the default); or "
+        "every failure restarts the round's workers under torchrun from the newest checkpoint (restart)",
+    )
+    p.add_argument(
         "--inject-failure",
         action="append",
         default=[],
@@ -236,6 +253,8 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
         failures=failures,
         recoveries=recoveries,
         hang_timeout_s=args.hang_timeout_s,
+        recovery=args.recovery,
+        sharding=SHARDING if args.sharding == "auto" else (args.sharding,),
     )
     gpus = _gpus(args.gpus, args.device)
     rendezvous = _rendezvous(args, token)
@@ -307,6 +326,8 @@ def _supervisor_args(args) -> list[str]:
         f"--method={args.method}",
         f"--device={args.device}",
         f"--hang-timeout-s={args.hang_timeout_s}",
+        f"--recovery={args.recovery}",
+        f"--sharding={args.sharding}",
         f"--lease-s={args.lease_s}",
         f"--round-deadline-s={args.round_deadline_s}",
         f"--rdzv-backend={args.rdzv_backend}",

@@ -155,11 +155,12 @@ def run(args: argparse.Namespace) -> int:
     import torch  # torch only for the commands that train
     import torch.distributed as dist
 
+    from runtime.checkpoint.load import files_opened
     from runtime.checkpoint.lock import lock_directory
     from runtime.checkpointing import CheckpointHook, reconcile_schedule, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
-    from runtime.elastic import progress
+    from runtime.elastic import inprocess, progress
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
     from runtime.optim import OptimConfig
@@ -192,7 +193,12 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
     )
-    trainer = Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
+
+    def build(plan: Plan, ctx) -> Trainer:
+        return Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
+
+    recovery = inprocess.Recovery.from_env(os.environ, ctx.backend, args.timeout_s)
+    trainer = build(plan, ctx)
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
     ckpt_dir, lock, hook, stopped = (Path(args.ckpt_dir) if args.ckpt_dir else None), None, None, False
     try:
@@ -201,25 +207,71 @@ def run(args: argparse.Namespace) -> int:
         resumed = ckpt_dir is not None and resume(trainer, ckpt_dir, metrics)
         if resumed:
             reconcile_schedule(trainer, optim, reset=args.reset_schedule, metrics=metrics)
-        hook = CheckpointHook(
-            trainer,
-            ckpt_dir,
-            args.ckpt_every,
-            keep=args.keep,
-            metrics=metrics,
-            metrics_path=Path(args.metrics),
-            resumed=resumed,
-        )
+
+        def checkpoint_hook(resumed: bool) -> CheckpointHook:
+            return CheckpointHook(
+                trainer,
+                ckpt_dir,
+                args.ckpt_every,
+                keep=args.keep,
+                metrics=metrics,
+                metrics_path=Path(args.metrics),
+                resumed=resumed,
+            )
+
+        hook = checkpoint_hook(resumed)
         until = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-        results = train(
-            trainer,
-            until_step=until,
-            metrics=metrics,
-            after_step=hook,
-            eval_every=args.eval_every,
-            eval_batches=args.eval_batches,
-        )
-        hook.finish()
+        while True:
+            failure = None
+            try:
+                results = train(
+                    trainer,
+                    until_step=until,
+                    metrics=metrics,
+                    after_step=hook,
+                    eval_every=args.eval_every,
+                    eval_batches=args.eval_batches,
+                )
+                hook.finish()
+            except Exception as e:
+                if recovery is None or not (recovery.aborted.is_set() or inprocess.is_peer_failure(e)):
+                    raise
+                failure = str(e).splitlines()[0][:300]
+            if failure is None:
+                break
+            # In-process recovery (runtime/elastic/inprocess.py): leave with the state, rejoin.
+            files_before_recovery = files_opened()
+            if hook.saver is not None:
+                hook.saver.abandon()
+            left = recovery.leave(trainer)
+            trainer = hook = None  # nothing may keep the old process groups alive
+            if metrics:
+                metrics.close()
+                metrics = None
+            try:
+                rejoined = recovery.rejoin(left, failure, build, say=_say)
+            except inprocess.CannotRecover as e:
+                print(f"elastor train: error: in-process recovery is not possible: {e}", file=sys.stderr)
+                return inprocess.FALLBACK_EXIT
+            if rejoined is None:  # the new plan leaves this survivor out; its state has been passed on
+                return 0
+            trainer, ctx = rejoined.trainer, rejoined.ctx
+            metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
+            if metrics:
+                metrics.event(
+                    "restored",
+                    step=trainer.step,
+                    path="in-process",
+                    source="peers",
+                    generation=rejoined.generation,
+                    lost=rejoined.lost,
+                    devices=ctx.world_size,
+                    phases_s=rejoined.phases_s,
+                    load_s=rejoined.phases_s["restored"],
+                    received_bytes=rejoined.received_bytes,
+                    checkpoint_files_read=files_opened() - files_before_recovery,
+                )
+            hook = checkpoint_hook(resumed=True)
         stopped = bool(results) and results[-1].stop and trainer.step < until
         if stopped and metrics:
             saved = (
@@ -232,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"elastor train: stopped on request after step {trainer.step}; {saved}", file=sys.stderr)
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         if metrics:
             metrics.close()
         if lock is not None:
@@ -240,7 +293,12 @@ def run(args: argparse.Namespace) -> int:
                 hook.saver.settle()  # no save may go on without the lock
             lock.release()
     stop_request.restore()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if stopped and not supervised:  # alone: the status of a process that the signal ended
         return stop_request.exit_code() if stop_request.requested else 128 + signal.SIGTERM
     return 0
+
+
+def _say(line: str) -> None:
+    print(f"elastor train: {line}", file=sys.stderr, flush=True)

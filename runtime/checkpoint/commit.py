@@ -172,6 +172,9 @@ class SaveJob:
             missing = [r for r, p in enumerate(paths) if not p.is_file()]
             if not missing:
                 break
+            if owner._abandoned.is_set():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise CheckpointError(f"The save of step {self.step} was abandoned: rank(s) {missing} left.")
             if time.monotonic() > deadline:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 raise CheckpointError(

@@ -23,6 +23,14 @@ from runtime.checkpoint.format import DTYPES, CheckpointError, Manifest, TensorE
 from runtime.checkpoint.pieces import Wanted, as_piece
 from runtime.checkpoint.store import resolve
 
+_files_opened = 0  # manifests and data files this process has opened to read a checkpoint
+
+
+def files_opened() -> int:
+    """Checkpoint files (manifests, data files) this process has opened for reading so far: the
+    in-process recovery asserts it reads none (runtime/elastic/inprocess.py)."""
+    return _files_opened
+
 
 class ModelMismatch(CheckpointError):
     """A checkpoint of another model: refused, never skipped for an older one."""
@@ -45,7 +53,9 @@ class CheckpointReader:
     """Reads boxes of tensors from one checkpoint directory; `model` (if given) must match its config."""
 
     def __init__(self, path: str | os.PathLike, model: ModelConfig | None = None):
+        global _files_opened
         self.path = resolve(path)
+        _files_opened += 1
         self.manifest = Manifest.read(self.path)
         if model is not None:
             check_model(self.manifest, model)
@@ -171,8 +181,10 @@ class CheckpointReader:
             )
 
     def _open(self, file: str) -> int:
+        global _files_opened
         fd = self._fds.get(file)
         if fd is None:
+            _files_opened += 1
             fd = open_sized(self.path, file, self.manifest.files[file])
             self._fds[file] = fd
         return fd

@@ -100,6 +100,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
+        self._abandoned = threading.Event()
         self.last_path: Path | None = None  # the newest checkpoint this rank 0 committed
         # Seconds of the last save from save() until this rank's part was durable (rank 0: committed,
         # `latest` updated; pruning older checkpoints comes after).
@@ -155,6 +156,14 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
         self._error = self._result = None
+
+    def abandon(self) -> None:
+        """Give up the save in flight, if it is not committed yet: rank 0 stops waiting for the other
+        ranks' parts and removes it (a peer that died will never write its part); the other ranks
+        finish writing theirs. Then settle. For a job whose ranks are re-forming in-process."""
+        self._abandoned.set()
+        self.settle()
+        self._abandoned.clear()
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of the directory, None if it has none."""

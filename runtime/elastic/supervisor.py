@@ -99,6 +99,11 @@ class RunConfig:
     failures: tuple[Fault, ...] = ()
     recoveries: tuple[Fault, ...] = ()
     hang_timeout_s: float = 20.0  # a rank without progress for this long is hung
+    # "in-process": the supervisors start the workers themselves and the survivors of a lost worker
+    # re-plan in their processes (runtime/elastic/inprocess.py); "restart": under torchrun, every
+    # failure restarts the round from the newest checkpoint.
+    recovery: str = "in-process"
+    sharding: tuple[str, ...] = ("none",)  # the optimizer layouts the plans may use (solver.solve)
 
     @property
     def log_dir(self) -> Path:
@@ -286,6 +291,7 @@ class NodeSupervisor:
             if st.failed_at is not None:
                 metrics.event(
                     "failure_detected",
+                    path="restart",
                     round=round_,
                     dead=sorted(dead),
                     lost=sorted(set(self.rdzv.nodes) - set(health)),
@@ -309,7 +315,9 @@ class NodeSupervisor:
 
             started = time.perf_counter()
             try:
-                plan = solve(cfg.profile, cluster, cfg.global_batch_size, method=cfg.method)
+                plan = solve(
+                    cfg.profile, cluster, cfg.global_batch_size, method=cfg.method, sharding=cfg.sharding
+                )
             except ElastorError as e:
                 return {"error": f"{str(e).rstrip('.')}; {intact}"}
             wall = time.perf_counter() - started
@@ -424,6 +432,15 @@ class NodeSupervisor:
             plan_path.write_text(json.dumps(plan.to_json()))
             progress_dir = Path(tmp) / "progress"
             progress_dir.mkdir()
+            if cfg.recovery == "in-process":
+                from runtime.elastic.workers import Workers  # it uses this module's helpers
+
+                try:
+                    return Workers(self, round_, plan, decision, address, hosted).run(
+                        plan_path, progress_dir, log
+                    )
+                finally:
+                    del hosted
             with open(log, "w") as out:
                 worker = subprocess.Popen(
                     self._torchrun(round_, plan, on_node, plan_path, decision, address),
@@ -488,7 +505,6 @@ class NodeSupervisor:
     ) -> list[str]:
         """torchrun for this node's devices `on_node` of the round: a client of the round's store for
         its own rendezvous (which only gathers the round's nodes; the workers' ranks come from the plan)."""
-        cfg = self.config
         return [
             *_UNDER_LIFELINE,
             "torch.distributed.run",
@@ -501,8 +517,14 @@ class NodeSupervisor:
             f"--local-addr={self.host}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
-            "-m",
-            "runtime.elastic.lifeline",
+            *self._train_command(plan_path, decision)[1:],
+        ]
+
+    def _train_command(self, plan_path: Path, decision: dict) -> list[str]:
+        """One worker's command: `elastor train` for the round under a lifeline to its parent."""
+        cfg = self.config
+        return [
+            *_UNDER_LIFELINE,
             "elastor",
             "train",
             f"--plan={plan_path}",
