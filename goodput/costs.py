@@ -22,6 +22,11 @@ any of the fields of `RecoveryCosts`; the Checkpoint and Elastic benchmarks meas
 - restart_s 120: relaunching processes, rendezvous and building NCCL communicators on thousands of
   GPUs. An assumption; for scale, FlashRecovery (arXiv:2509.03047) reports restoring training on
   4,800 devices in 150 s and TrainMover reports about 20 s on 1,024 GPUs with standby machines.
+- reform_s 30 and transfer_s, the in-process path (`elastor run --recovery in-process`): the survivors
+  keep their processes, CUDA contexts and data; they leave the old process groups, join new ones and
+  rebuild their stages (reform_s, an assumption: communicator creation for thousands of ranks
+  without the process start and the checkpoint read of restart_s), then fetch the new plan's state
+  from each other's memory (transfer_s: a GPU's share of the state over INTER_NODE_GBPS).
 - checkpoint state: 12 bytes per parameter (fp32 parameters and AdamW's two moments, the tensors the
   checkpoint format stores, runtime/checkpoint/format.py); each pipeline holds a full copy, spread
   over its GPUs.
@@ -45,6 +50,9 @@ DETECT_S = HANG_TIMEOUT_S + PROGRESS_PERIOD_S
 DETECT_NODE_S = LEASE_S + HEARTBEAT_S
 PLAN_S = 1.0
 RESTART_S = 120.0
+REFORM_S = 30.0
+# A GPU's share of a 400 Gb/s network interface. Assumption (one NIC per GPU, as on DGX H100).
+INTER_NODE_GBPS = 50.0
 CHECKPOINT_BYTES_PER_PARAM = 12
 # Pinned device-to-host copies reach roughly half of PCIe Gen5 x16's 64 GB/s per direction: assumption.
 DEVICE_TO_HOST_GBPS = 25.0
@@ -62,6 +70,8 @@ class RecoveryCosts:
     restart_s: float = RESTART_S
     load_s: float = 0.0  # the checkpoint into the same layout
     reshard_load_s: float = 0.0  # the checkpoint into a different plan
+    reform_s: float = REFORM_S  # in-process: leave, re-form the groups, rebuild, first step
+    transfer_s: float = 0.0  # in-process: the new plan's state from the survivors' memory
     ckpt_stall_s: float = 0.0
     ckpt_background_s: float = 0.0
     source: str = "defaults"
@@ -82,6 +92,7 @@ class RecoveryCosts:
         return cls(
             load_s=load,
             reshard_load_s=load * RESHARD_FACTOR,
+            transfer_s=shard_bytes / (INTER_NODE_GBPS * 1e9),
             ckpt_stall_s=stall,
             ckpt_background_s=write,
         )

@@ -39,6 +39,7 @@ where they are issued, ring volumes per rank (Patarasuk & Yuan 2009): all-reduce
 reduce-scatter and all-gather (n-1)/n * S each.
 """
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -276,6 +277,16 @@ class MainState:
                 values = gathered[offset : offset + rows.numel].view(rows.storage_shape)
                 self.model_params[rows.name].data[slices].copy_(values.movedim(0, rows.dim))
                 offset += rows.numel
+
+    def drain(self) -> None:
+        """Wait for every reduction issued and not yet waited for, ignoring its error: after a peer's
+        failure, once this process's connections are shut down, so that no operation of the old
+        groups is pending when they are destroyed (runtime/elastic/inprocess.py)."""
+        for held in self.held:
+            if held.work is not None:
+                with contextlib.suppress(Exception):
+                    held.work.wait()
+                held.work = None
 
     def close(self) -> None:
         """Stop the ring's worker thread (after the last step)."""

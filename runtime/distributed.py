@@ -175,14 +175,23 @@ class ProcessGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def all(self) -> list:
+        """Every group object made here (the TP, bucket and ring groups)."""
+        return [*self._groups.values(), *self._ring.values()]
 
-def leave_job() -> None:
+
+def leave_job(held: list | None = None) -> None:
     """Tear down every process group of this process so that its peers' pending operations with it
     fail at once (the first step of an in-process recovery): destroy them, then collect them. Gloo
     closes a group's connections only when the group object is freed, and `ProcessGroup.abort` does
     not close them there (measured: a peer blocked in a collective errs when the group is freed, 1 s
     after the failure in the test, not when it is aborted), so the caller must first drop every
-    reference to them (the trainer that holds them)."""
+    reference to them (the trainer that holds them). A group must not be freed by one of gloo's own
+    threads either (its destructor joins them: the process aborts), which happens when a pending
+    operation holds the last reference: a caller that may have operations pending passes `held`,
+    its own references to every group, which are dropped here, after the destroy, on this thread."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if held:  # the caller's own references, dropped here: the groups are freed on this thread
+        held.clear()
     gc.collect()

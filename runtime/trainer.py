@@ -79,6 +79,7 @@ class Trainer:
         )
         self.optimizer = build_optimizer([piece.param for piece in self.main.pieces], optim)
         self.step, self.cursor = 0, 0
+        self.last: StepResult | None = None  # the newest step's result (an in-process recovery reports it)
 
         # The sample stream (runtime/data.py); synthetic tokens from the seed unless one is given.
         self.prefetcher: Prefetcher | None = None
@@ -130,7 +131,7 @@ class Trainer:
         self.step += 1
         self.cursor += self.plan.global_batch_size
         progress.current.step_done(self.step)
-        return StepResult(
+        self.last = StepResult(
             step=self.step,
             loss=global_loss,
             grad_norm=norm,
@@ -138,6 +139,7 @@ class Trainer:
             step_time_s=time.perf_counter() - start,
             stop=stop,
         )
+        return self.last
 
     @torch.no_grad()
     def evaluate(self, batches: int = 1) -> float:

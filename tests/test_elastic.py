@@ -109,7 +109,11 @@ def _assert_matches_reference(tmp: Path, records, steps: int) -> None:
 
 def test_failure_and_recovery_match_an_uninterrupted_run(tmp_path, profile_path):
     steps = 16
-    done = _run(tmp_path, profile_path, "2,2", steps, "--inject-failure=n1:1@6", "--inject-recovery=n1:1@10")
+    # The restart path (the in-process one: tests/test_inprocess.py).
+    done = _run(
+        tmp_path, profile_path, "2,2", steps,
+        "--recovery=restart", "--inject-failure=n1:1@6", "--inject-recovery=n1:1@10",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert not done.stragglers
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -166,7 +170,7 @@ def test_a_second_failure_during_recovery_and_a_node_losing_every_gpu(tmp_path, 
     assert "n0:1" in survivors.devices  # so the second failure does fire during the recovery
     done = _run(
         tmp_path, profile_path, str(tmp_path / "cluster.json"), steps,
-        "--inject-failure=n1:0@6", "--inject-failure=n0:1@4",
+        "--recovery=restart", "--inject-failure=n1:0@6", "--inject-failure=n0:1@4",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -235,7 +239,15 @@ def test_bf16_failure_reshard_and_scale_up_match_an_uninterrupted_bf16_run(tmp_p
 
     steps = 16
     profile = _profile(tmp_path / "profile.json", "bfloat16")
-    done = _run(tmp_path, profile, "2,2", steps, "--inject-failure=n1:1@6", "--inject-recovery=n1:1@10")
+    done = _run(
+        tmp_path,
+        profile,
+        "2,2",
+        steps,
+        "--recovery=restart",
+        "--inject-failure=n1:1@6",
+        "--inject-recovery=n1:1@10",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]

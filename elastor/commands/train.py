@@ -4,6 +4,7 @@ import argparse
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from costmodel import ElastorError, Plan
@@ -253,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
             except inprocess.CannotRecover as e:
                 print(f"elastor train: error: in-process recovery is not possible: {e}", file=sys.stderr)
                 return inprocess.FALLBACK_EXIT
+            except Exception as e:  # e.g. another peer lost while re-forming: the restart path
+                traceback.print_exc()
+                first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                print(f"elastor train: error: in-process recovery failed: {first}", file=sys.stderr)
+                return inprocess.FALLBACK_EXIT
             if rejoined is None:  # the new plan leaves this survivor out; its state has been passed on
                 return 0
             trainer, ctx = rejoined.trainer, rejoined.ctx
@@ -271,6 +277,23 @@ def run(args: argparse.Namespace) -> int:
                     received_bytes=rejoined.received_bytes,
                     checkpoint_files_read=files_opened() - files_before_recovery,
                 )
+            last = left.last
+            if metrics and left.plan.devices[0] in rejoined.lost and last and last.step == trainer.step:
+                # The writer of the metrics died: its last step's record may be lost with it (every
+                # survivor knows that step's loss from the step's all-reduce).
+                metrics.write(
+                    {
+                        "step": last.step,
+                        "loss": last.loss,
+                        "step_time_s": last.step_time_s,
+                        "samples_per_s": plan.global_batch_size / last.step_time_s,
+                        "ckpt_stall_s": 0.0,
+                        "lr": last.lr,
+                        "grad_norm": last.grad_norm,
+                        "rewritten": True,
+                    }
+                )
+            left = None
             hook = checkpoint_hook(resumed=True)
         stopped = bool(results) and results[-1].stop and trainer.step < until
         if stopped and metrics:
@@ -284,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"elastor train: stopped on request after step {trainer.step}; {saved}", file=sys.stderr)
     finally:
+        if recovery is not None:
+            recovery.close()
         if trainer is not None:
             trainer.close()
         if metrics:

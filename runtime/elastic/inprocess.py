@@ -49,6 +49,7 @@ import json
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -178,10 +179,12 @@ class Left:
 
     pieces: list  # runtime.state.StatePiece, live views of the fp32 masters and moments it kept
     meta: dict[str, Any]
+    last: Any  # runtime.trainer.StepResult of the last step it completed, or None
     plan: Plan
     device_name: str
     device: Any  # torch.device
     noticed: float  # perf_counter when the failure was noticed
+    held: list  # references to the old process groups, dropped once they are destroyed
 
 
 class Recovery:
@@ -198,7 +201,15 @@ class Recovery:
         self._lock = threading.Lock()
         self._armed, self._answered = True, 0
         self.aborted = threading.Event()
-        threading.Thread(target=self._watch, name="inprocess-watch", daemon=True).start()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="inprocess-watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Stop the watch (before the process exits: a daemon thread inside a store request when the
+        interpreter finalises takes the process down with SIGABRT)."""
+        self._closed.set()
+        self._watcher.join()
 
     def _client(self) -> dist.TCPStore:
         host, port = self.address
@@ -206,14 +217,19 @@ class Recovery:
 
     def _watch(self) -> None:
         store = self._client()  # a connection of this thread's own
-        while True:
-            time.sleep(WATCH_S)
+        while not self._closed.wait(WATCH_S):
             with self._lock:
                 if not self._armed or store.add(f"{PREFIX}lost", 0) <= self._answered:
                     continue
                 self._armed = False
-            abort_communication(self.backend, self.address)
+            closed = abort_communication(self.backend, self.address)
             self.aborted.set()
+            print(
+                f"elastor train: a peer was lost; this process's communication is aborted ({closed} "
+                "connection(s) shut down)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @classmethod
     def from_env(cls, environ, backend: str, timeout_s: float) -> "Recovery | None":
@@ -229,11 +245,22 @@ class Recovery:
         `rejoin`, which leaves the job first."""
         with self._lock:
             self._armed = False  # this generation's groups are going; the next one re-arms
+        held = [*trainer.groups.all(), dist.group.WORLD]  # freed by leave_job, on this thread
+        # Every pending operation fails now, and every peer that has not noticed yet notices.
+        abort_communication(self.backend, self.address)
+        trainer.main.drain()
         self.aborted.clear()
         pieces, meta = training_state(trainer)
         trainer.close()
         return Left(
-            pieces, meta, trainer.plan, trainer.ctx.device_name, trainer.ctx.device, time.perf_counter()
+            held=held,
+            pieces=pieces,
+            meta=meta,
+            last=trainer.last,
+            plan=trainer.plan,
+            device_name=trainer.ctx.device_name,
+            device=trainer.ctx.device,
+            noticed=time.perf_counter(),
         )
 
     def rejoin(
@@ -244,7 +271,7 @@ class Recovery:
         on its state and should exit). `build(plan, ctx)` makes a trainer. Raises CannotRecover when
         the restart path must be taken."""
         me = left.device_name
-        leave_job()
+        leave_job(left.held)
         marks = {"left": time.perf_counter()}
         self.generation += 1
         g = self.generation

@@ -12,6 +12,15 @@ when it happened: the node's last heartbeat, the hung rank's last progress):
     load       = the checkpoint load, resharded          (measured by the workers)
     first step = resumed - restored                       (the first training step after the restart)
     total      = resumed - failure_injected
+An in-process recovery (`elastor run --recovery in-process`: the `restored` event says `path`
+"in-process") has no restart and no load; the survivors' own phases (their `restored` event's
+`phases_s`, from noticing the failure) split the time from the decision to the restored state:
+    detect, rendezvous, plan  as above (the supervisor that hosts the round's store decides)
+    re-form    = restored - replanned - transfer       (the decision reaches the survivors, they
+                                                        leave the old groups, join the new ones,
+                                                        agree on the step, build the new stages)
+    transfer   = the state's point-to-point transfers from the survivors' memory
+    first step = resumed - restored
 A scale-up (a `replanned` event with more devices than the previous one) is timed from the round's
 clean stop to the first step after it.
 """
@@ -36,6 +45,7 @@ class Recovery:
     total_s: float
     samples_per_s_before: float | None
     samples_per_s_after: float | None
+    path: str = "restart"  # how the survivors went on: "restart" (from the checkpoint) or "in-process"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -121,14 +131,15 @@ def _failure(records, i: int, devices: int | None, failed_s: float) -> list[Reco
     t["fail"] = failed_s
     load = records[restored].get("load_s", 0.0)
     solve = records[replanned]["solve_s"]
-    phases = {
-        "detect": t["det"] - t["fail"],
-        "rendezvous": t["plan"] - t["det"] - solve,
-        "plan": solve,
-        "restart": t["rest"] - load - t["plan"],
-        "load": load,
-        "first step": t["res"] - t["rest"],
-    }
+    path = records[restored].get("path", "restart")
+    phases = {"detect": t["det"] - t["fail"], "rendezvous": t["plan"] - t["det"] - solve, "plan": solve}
+    if path == "in-process":
+        own = records[restored]["phases_s"]
+        transfer = own["transferred"] - own["joined"]
+        phases |= {"re-form": t["rest"] - t["plan"] - transfer, "transfer": transfer}
+    else:
+        phases |= {"restart": t["rest"] - load - t["plan"], "load": load}
+    phases["first step"] = t["res"] - t["rest"]
     return [
         Recovery(
             kind="failure",
@@ -142,6 +153,7 @@ def _failure(records, i: int, devices: int | None, failed_s: float) -> list[Reco
             samples_per_s_after=_throughput(
                 records, resumed, _next(records, resumed + 1, "failure_injected") or len(records)
             ),
+            path=path,
         )
     ]
 
@@ -175,8 +187,18 @@ def _scale_up(records, i: int, devices: int) -> list[Recovery]:
 def format_recoveries(found: list[Recovery]) -> str:
     if not found:
         return "no recovery happened"
-    phases = ("detect", "rendezvous", "plan", "restart", "load", "first step")
-    header = ("event", "resumed at step", "devices", *(f"{p} s" for p in phases), "total s", "samples/s")
+    phases = ("detect", "rendezvous", "plan", "restart", "load", "re-form", "transfer", "first step")
+    if not any(r.path == "in-process" for r in found):
+        phases = tuple(p for p in phases if p not in ("re-form", "transfer"))
+    header = (
+        "event",
+        "path",
+        "resumed at step",
+        "devices",
+        *(f"{p} s" for p in phases),
+        "total s",
+        "samples/s",
+    )
     rows = [header]
     for r in found:
         cell = {k: f"{v:.2f}" for k, v in r.phases_s.items()}
@@ -184,6 +206,7 @@ def format_recoveries(found: list[Recovery]) -> str:
         rows.append(
             (
                 r.kind,
+                r.path if r.kind == "failure" else "restart",
                 r.step,
                 f"{r.devices_before} -> {r.devices_after}",
                 *(cell.get(k, "-") for k in phases),
@@ -202,6 +225,8 @@ def measured_costs(records: list[dict[str, Any]]) -> dict[str, float]:
         plan_s            = plan (the solver)
         restart_s         = rendezvous + restart + first step (from the decision to training again)
         reshard_load_s    = load (every recovery loads into a new plan)
+        reform_s          = rendezvous + re-form + first step, of in-process recoveries
+        transfer_s        = transfer, of in-process recoveries (the state from the survivors' memory)
         ckpt_stall_s      = the steps' `ckpt_stall_s` where a save blocked them
         ckpt_background_s = `checkpoint_saved`'s save_s (from the snapshot to the commit)
     """
@@ -216,8 +241,16 @@ def measured_costs(records: list[dict[str, Any]]) -> dict[str, float]:
             if found:
                 costs[field] = statistics.median(r.phases_s["detect"] for r in found)
         costs["plan_s"] = statistics.median(p["plan"] for p in ph)
-        costs["restart_s"] = statistics.median(p["rendezvous"] + p["restart"] + p["first step"] for p in ph)
-        costs["reshard_load_s"] = statistics.median(p["load"] for p in ph)
+        if restarts := [p for r, p in zip(failures, ph, strict=True) if r.path == "restart"]:
+            costs["restart_s"] = statistics.median(
+                p["rendezvous"] + p["restart"] + p["first step"] for p in restarts
+            )
+            costs["reshard_load_s"] = statistics.median(p["load"] for p in restarts)
+        if in_process := [p for r, p in zip(failures, ph, strict=True) if r.path == "in-process"]:
+            costs["reform_s"] = statistics.median(
+                p["rendezvous"] + p["re-form"] + p["first step"] for p in in_process
+            )
+            costs["transfer_s"] = statistics.median(p["transfer"] for p in in_process)
     stalls = [r["ckpt_stall_s"] for r in records if not r.get("event") and r.get("ckpt_stall_s", 0) > 0]
     if stalls:
         costs["ckpt_stall_s"] = statistics.median(stalls)

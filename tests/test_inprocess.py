@@ -1,0 +1,163 @@
+"""Recovery without restarting the survivors, under `elastor run` (runtime/elastic/inprocess.py,
+runtime/elastic/workers.py): a worker dies, the others re-plan and reshard from each other's memory in
+their own processes, and training goes on exactly as an uninterrupted run would have."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from dist_helpers import run_env
+from test_elastic import (
+    CKPT_EVERY,
+    RUN_TIMEOUT_S,
+    _assert_matches_reference,
+    _events,
+    _profile,
+    _reference,
+    _run,
+    profile_path,  # noqa: F401 - the module-scoped fixture
+    run_command,
+)
+
+from costmodel import Plan
+from runtime.compare import compare_runs
+from runtime.elastic.report import format_recoveries, read_metrics, recoveries
+
+IN_PROCESS_STORY = [
+    "replanned",
+    "start",
+    "failure_detected",
+    "replanned",
+    "restored",
+    "start",
+    "resumed",
+    "done",
+]
+
+
+def test_a_lost_worker_is_recovered_in_process_and_matches_an_uninterrupted_run(tmp_path, profile_path):  # noqa: F811
+    steps = 12
+    done = _run(tmp_path, profile_path, "2,2", steps, "--inject-failure=n1:1@5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    events = [e for e in _events(records) if e != "failure_injected"]
+    assert events == IN_PROCESS_STORY, (events, done.stdout[-3000:])
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["path"] == "in-process" and detected["dead"] == ["n1:1"]
+    restored = next(r for r in records if r.get("event") == "restored")
+    assert restored["path"] == "in-process" and restored["source"] == "peers"
+    assert restored["checkpoint_files_read"] == 0  # the state came from the survivors' memory
+    assert restored["step"] == 5  # the step the failure came after: nothing is redone
+    losses = [r["step"] for r in records if "loss" in r]
+    assert losses == list(range(1, steps + 1))
+    found = recoveries(records)
+    assert [(r.kind, r.path) for r in found] == [("failure", "in-process")]
+    assert set(found[0].phases_s) >= {"detect", "plan", "re-form", "transfer", "first step"}
+    assert "in-process" in done.stdout  # the breakdown table names the path
+    _assert_matches_reference(tmp_path, records, steps)
+
+
+def test_a_lost_zero1_slice_falls_back_to_the_checkpoint_and_says_why(tmp_path):
+    """Under ZeRO-1 the lost rank's optimizer slice is held by nobody else: the restart path runs."""
+    profile = _profile(tmp_path / "bf16.json", "bfloat16")  # ZeRO-1 pays in 16-bit: the solver takes it
+    done = _run(tmp_path, profile, "2,2", 8, "--sharding=zero1", "--inject-failure=n1:1@5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    declined = [r for r in records if r.get("event") == "in_process_declined"]
+    assert len(declined) == 1 and "held by no survivor" in declined[0]["why"], declined
+    assert "zero1 optimizer state" in declined[0]["why"]
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["path"] == "restart"
+    restored = next(r for r in records if r.get("event") == "restored")
+    assert restored["checkpoint"] == f"step-{CKPT_EVERY:08d}"  # from storage: the newest checkpoint
+    assert [r.path for r in recoveries(records)] == ["restart"]
+    assert "no in-process recovery" in done.stdout
+
+
+TRIALS = 20
+
+
+@pytest.mark.slow  # -m slow: about 20 s a trial
+def test_sigkill_at_random_moments_recovers_in_process_every_time(tmp_path, profile_path):  # noqa: F811
+    """SIGKILL one worker of the 2+2 cluster at a random moment of a random step (forward, backward,
+    the gradient reduction, the optimizer step, a checkpoint save): every run recovers in-process
+    and its losses and final weights equal the uninterrupted run's."""
+    rng = random.Random(17)
+    steps, phases, times = 12, [], []
+    reference = None
+    for trial in range(TRIALS):
+        tmp = tmp_path / f"trial-{trial}"
+        tmp.mkdir()
+        command = run_command(tmp, profile_path, "2,2", steps)
+        with open(tmp / "out.txt", "w") as out:
+            run = subprocess.Popen(command, env=run_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            victim, phase = _kill_a_worker(tmp, rng, after_step=rng.randint(1, 8))
+            code = run.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+        assert code == 0, (tmp / "out.txt").read_text()[-3000:]
+        phases.append(phase)
+        records = read_metrics(tmp / "metrics.jsonl")
+        found = recoveries(records)
+        assert [r.path for r in found] == ["in-process"], (victim, phase, format_recoveries(found))
+        assert all(r.get("checkpoint_files_read", 0) == 0 for r in records if r.get("event") == "restored")
+        times.append(found[0].total_s)
+        if reference is None:
+            reference = read_metrics(_reference(tmp, records, steps).with_suffix(".jsonl"))
+            reference_dir = tmp / "reference"
+        check = compare_runs(records, reference, tmp / "ckpt", reference_dir)
+        assert check["steps_match"] and check["equal"], (victim, phase, check)
+        assert check["loss_max_rel_diff"] <= 1e-5 and check["param_max_abs_diff"] <= 1e-5, check
+    times.sort()
+    median = times[len(times) // 2]
+    print(f"phases killed in: {sorted(phases)}; recovery s: median {median:.2f}, max {times[-1]:.2f}")
+    assert len(set(phases)) >= 3, phases  # the kills landed in several parts of a step
+
+
+def _kill_a_worker(tmp: Path, rng: random.Random, after_step: int) -> tuple[str, str]:
+    """SIGKILL a random worker of the run writing tmp/metrics.jsonl once it has done `after_step`
+    steps, after a further random delay; returns its device and the phase its progress record last
+    showed (published every runtime.elastic.progress.PUBLISH_S, so at most that old)."""
+    metrics = tmp / "metrics.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done = [r for r in read_metrics(metrics) if "loss" in r] if metrics.exists() else []
+        if done and done[-1]["step"] >= after_step:
+            break
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 0.3))
+    workers = _workers_of(metrics)
+    assert workers, "no worker of the run was found"
+    device, (pid, progress_dir) = rng.choice(sorted(workers.items()))
+    record = Path(progress_dir) / f"{device.replace(':', '_')}.json"
+    phase = json.loads(record.read_text()).get("phase", "?") if record.exists() else "?"
+    os.kill(pid, signal.SIGKILL)
+    return device, phase
+
+
+def _workers_of(metrics: Path) -> dict[str, tuple[int, str]]:
+    """The `elastor train` processes of the run writing `metrics`: device -> (pid, progress dir)."""
+    first = next(r for r in read_metrics(metrics) if r.get("event") == "replanned")
+    order = Plan.from_json(first["plan"]).devices
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(
+                line.split("=", 1) for line in (entry / "environ").read_text().split("\0") if "=" in line
+            )
+        except OSError:
+            continue
+        if b"train" in cmdline and f"--metrics={metrics}".encode() in cmdline and "RANK" in environ:
+            found[order[int(environ["RANK"])]] = (int(entry.name), environ["ELASTOR_PROGRESS_DIR"])
+    return found
