@@ -2,6 +2,12 @@
 
     python benchmarks/recovery_bench.py                  # gpt-tiny on three simulated single-GPU nodes
     python benchmarks/recovery_bench.py --steps 40       # longer runs
+    python benchmarks/recovery_bench.py --paths 5        # a killed worker: in-process vs restart, 5 runs each
+
+`--paths N`: gpt-tiny on the simulated 2+2 cluster, the worker of n1:1 SIGKILLed after step 5,
+N runs of each recovery path alternated (`--recovery in-process`, then `--recovery restart`), the
+median of each phase and of the total (failure to the first resumed step) per path and their ratio.
+Writes benchmarks/results/recovery_paths.json.
 
 Each scenario is one `elastor run --cluster 1,1,1` of gpt-tiny (the repository's CPU profile) that
 injects one failure at step 8 (runtime/elastic/faults.py) into a node of the first plan other than
@@ -21,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,13 +81,13 @@ def _etcd(folder: Path):
         proc.wait()
 
 
-def _run(folder: Path, steps: int, *flags: str) -> dict:
+def _run(folder: Path, steps: int, *flags: str, cluster: str = "1,1,1") -> dict:
     command = [
         sys.executable,
         "-m",
         "elastor",
         "run",
-        "--cluster=1,1,1",
+        f"--cluster={cluster}",
         f"--profile={PROFILE}",
         "--global-batch-size=8",
         f"--steps={steps}",
@@ -104,6 +111,7 @@ def _run(folder: Path, steps: int, *flags: str) -> dict:
         raise SystemExit(f"{' '.join(flags)}: expected one recovery, found {len(found)}")
     r = found[0]
     return {
+        "path": r.path,
         "phases_s": r.phases_s,
         "total_s": r.total_s,
         "devices": [r.devices_before, r.devices_after],
@@ -116,14 +124,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--paths", type=int, default=0, help="compare the two recovery paths, N runs each")
     args = parser.parse_args()
+    if args.paths:
+        compare_paths(args.paths, args.steps)
+        return
     results = {}
     with tempfile.TemporaryDirectory(prefix="elastor-recovery-") as tmp:
         tmp = Path(tmp)
-        scenarios = {
-            "worker": ("--inject-failure=n1:0@8",),
-            "host": ("--inject-failure=host:n1:0@8",),
-            "hang": ("--inject-failure=hang:n1:0@8",),
+        scenarios = {  # the restart path, under torchrun (the in-process one: --paths)
+            "worker": ("--recovery=restart", "--inject-failure=n1:0@8"),
+            "host": ("--recovery=restart", "--inject-failure=host:n1:0@8"),
+            "hang": ("--recovery=restart", "--inject-failure=hang:n1:0@8"),
         }
         for name, flags in scenarios.items():
             print(f"{name} ...", flush=True)
@@ -131,7 +143,12 @@ def main() -> None:
         if shutil.which("etcd"):
             print("leader (etcd) ...", flush=True)
             with _etcd(tmp / "etcd") as endpoint:
-                flags = ("--inject-failure=host:n0:0@8", "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}")
+                flags = (
+                    "--recovery=restart",
+                    "--inject-failure=host:n0:0@8",
+                    "--rdzv-backend=etcd",
+                    f"--rdzv-endpoint={endpoint}",
+                )
                 results["leader (etcd)"] = _run(tmp / "leader", args.steps, *flags)
         else:
             print("no etcd on PATH: the lost-leader scenario is skipped")
@@ -141,6 +158,39 @@ def main() -> None:
     print(format_table(rows))
     out = REPO / "benchmarks" / "results" / "recovery_bench.json"
     write_json(out, {"lease_s": LEASE_S, "hang_timeout_s": HANG_TIMEOUT_S, "steps": args.steps, **results})
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+def compare_paths(repeats: int, steps: int) -> None:
+    """A killed worker on the 2+2 cluster, recovered in-process and by a restart, alternately."""
+    runs: dict[str, list[dict]] = {"in-process": [], "restart": []}
+    with tempfile.TemporaryDirectory(prefix="elastor-recovery-") as tmp:
+        for i in range(repeats):
+            for path in runs:
+                print(f"{path} {i + 1}/{repeats} ...", flush=True)
+                flags = (f"--recovery={path}", "--inject-failure=n1:1@5")
+                found = _run(Path(tmp) / f"{path}-{i}", steps, *flags, cluster="2,2")
+                if found["path"] != path:
+                    raise SystemExit(f"--recovery {path} recovered by the {found['path']} path")
+                runs[path].append(found)
+    phases = ("detect", "rendezvous", "plan", "restart", "load", "re-form", "transfer", "first step")
+    medians = {
+        path: {p: statistics.median(r["phases_s"].get(p, 0.0) for r in found) for p in phases}
+        | {"total": statistics.median(r["total_s"] for r in found)}
+        for path, found in runs.items()
+    }
+    rows = [("path", *(f"{p} s" for p in phases), "total s (median)", "min", "max")]
+    for path, found in runs.items():
+        totals = [r["total_s"] for r in found]
+        cells = (f"{medians[path][p]:.2f}" if any(p in r["phases_s"] for r in found) else "-" for p in phases)
+        rows.append(
+            (path, *cells, f"{medians[path]['total']:.2f}", f"{min(totals):.2f}", f"{max(totals):.2f}")
+        )
+    print(format_table(rows))
+    ratio = medians["in-process"]["total"] / medians["restart"]["total"]
+    print(f"in-process / restart, median totals: {ratio:.2f}")
+    out = REPO / "benchmarks" / "results" / "recovery_paths.json"
+    write_json(out, {"repeats": repeats, "steps": steps, "runs": runs, "medians": medians, "ratio": ratio})
     print(f"wrote {out.relative_to(REPO)}")
 
 

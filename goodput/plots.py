@@ -140,6 +140,6 @@ def loss_table(summary: pd.DataFrame) -> pd.DataFrame:
             f"{100 * m:.2f}" + ("" if math.isnan(h) else f" ± {100 * h:.2f}")
             for m, h in zip(summary[c], summary[f"{c}_ci"], strict=True)
         ]
-    for c in ("interruptions", "restarts", "scale_ups"):
+    for c in ("interruptions", "restarts", "in_process", "scale_ups"):
         out[c] = np.round(summary[c], 1)
     return out

@@ -4,6 +4,12 @@
   back up at a checkpoint once a repair makes a faster plan available.
 - `node-drop`: the same solver on fully healthy nodes only (what Oobleck-style node-granular systems
   do: any node with a failed GPU is dropped until it is repaired), scaling back up the same way.
+- `elastor-in-process`: `elastor`, and a lost GPU of a plan with data parallelism (at least two
+  pipelines: every row of state it kept lives on in a replica) is recovered without a restart
+  (`elastor run --recovery in-process`, runtime/elastic/inprocess.py): the survivors of the running
+  plan re-plan among themselves, re-form and fetch their new state from each other's memory, and
+  only the step in flight is redone. A lost node, a job failure, a plan without replicas and a
+  failure during a recovery take the restart path.
 - `wait-for-repair`: stop until every GPU of the original layout is healthy again, then restart on it.
 - `spare-nodes:K`: train on all but K nodes; a node with a failure is swapped for a healthy spare and
   training restarts on the same layout. With no healthy spare left it waits for a repair. The repaired
@@ -22,7 +28,7 @@ import numpy as np
 from costmodel import ElastorError
 from goodput.plans import Oracle, PlanPoint, place, signature, signature_order
 
-POLICIES = ("elastor", "node-drop", "wait-for-repair", "spare-nodes")
+POLICIES = ("elastor", "elastor-in-process", "node-drop", "wait-for-repair", "spare-nodes")
 # The default spare-nodes policy holds 1% of the nodes (at least one) as hot spares: under the Llama 3
 # rates and the default repair times a 2,048-node cluster has about 6 nodes down at a time.
 SPARE_FRACTION = 0.01
@@ -31,7 +37,7 @@ SPARE_FRACTION = 0.01
 def default_policies(gpus_per_node: list[int]) -> tuple[list[str], list[str]]:
     """The policies that apply to a cluster of these nodes, and a note for each one left out:
     spare-nodes swaps whole nodes of one size, so it needs two nodes or more, all of one size."""
-    policies, notes = ["elastor", "node-drop", "wait-for-repair"], []
+    policies, notes = ["elastor", "elastor-in-process", "node-drop", "wait-for-repair"], []
     if len(gpus_per_node) < 2:
         notes.append("spare-nodes skipped: it needs a node to spare beside the ones that train.")
     elif len(set(gpus_per_node)) > 1:
@@ -72,6 +78,7 @@ class Hardware:
 class Policy:
     name = "policy"
     replans = False  # whether a change of layout costs a solver call (plan_s)
+    in_process = False  # whether a lost GPU of a plan with replicas is recovered without a restart
 
     def __init__(self, hardware: Hardware, oracle: Oracle):
         self.hw = hardware
@@ -83,6 +90,10 @@ class Policy:
 
     def better(self, current: Config) -> Config | None:
         """A faster configuration than `current` on the healthy GPUs now, if the policy scales up."""
+        return None
+
+    def survivors(self, current: Config) -> Config | None:
+        """The in-process path's configuration after a GPU of `current` failed, or None to restart."""
         return None
 
 
@@ -113,6 +124,30 @@ class Elastor(Policy):
         if candidate is not None and candidate.samples_per_s > current.samples_per_s:
             return candidate
         return None
+
+
+class ElastorInProcess(Elastor):
+    name = "elastor-in-process"
+    in_process = True
+
+    def survivors(self, current: Config) -> Config | None:
+        """The plan for the GPUs of `current` that are still healthy (the in-process path cannot add
+        GPUs), if it has replicas to recover from and the survivors fit a plan."""
+        if current.num_pipelines < 2:
+            return None
+        alive = current.in_use & self.hw.healthy
+        counts = alive.sum(axis=1)
+        nodes = signature_order(counts)
+        sig = signature(counts[nodes])
+        point = self.oracle(sig) if sig else None
+        if point is None:
+            return None
+        return Config(
+            layout=sig,
+            samples_per_s=point.samples_per_s,
+            num_pipelines=point.num_pipelines,
+            in_use=place(point, nodes, alive),
+        )
 
 
 class NodeDrop(Elastor):
@@ -177,9 +212,15 @@ def make_policy(spec: str, hardware: Hardware, oracle: Oracle) -> Policy:
         if not arg.isdigit():
             raise ElastorError(f"Policy {spec!r} needs a number of spare nodes, like spare-nodes:16.")
         return SpareNodes(hardware, oracle, int(arg))
-    simple = {"elastor": Elastor, "node-drop": NodeDrop, "wait-for-repair": WaitForRepair}
+    simple = {
+        "elastor": Elastor,
+        "elastor-in-process": ElastorInProcess,
+        "node-drop": NodeDrop,
+        "wait-for-repair": WaitForRepair,
+    }
     if name not in simple or arg:
         raise ElastorError(
-            f"Unknown policy {spec!r}; use elastor, node-drop, wait-for-repair or spare-nodes:K."
+            f"Unknown policy {spec!r}; use elastor, elastor-in-process, node-drop, wait-for-repair or "
+            "spare-nodes:K."
         )
     return simple[name](hardware, oracle)

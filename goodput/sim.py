@@ -36,7 +36,7 @@ from goodput.policies import Config, Hardware, Policy
 
 # Events; ties at equal times resolve in push order.
 FAIL, REPAIR, CKPT_DUE, PHASE_END, CKPT_DURABLE = range(5)
-RESTART_PHASES = ("detect", "plan", "restart", "load", "save")
+RESTART_PHASES = ("detect", "plan", "restart", "load", "save", "re-form", "transfer")
 PHASES = ("train", "stall", "wait", *RESTART_PHASES)
 
 
@@ -114,7 +114,8 @@ class Simulation:
         self.epoch = 0
         self.phase = "train"
         self.phase_s = dict.fromkeys(PHASES, 0.0)
-        self.counts = dict.fromkeys(("failures", "interruptions", "restarts", "scale_ups", "checkpoints"), 0)
+        counted = ("failures", "interruptions", "restarts", "in_process", "scale_ups", "checkpoints")
+        self.counts = dict.fromkeys(counted, 0)
         self.timeline: list[tuple[float, str, float]] = []
         self.progress = 0.0  # steps done, including those not yet in a durable checkpoint
         self.durable = 0.0  # steps in the newest durable checkpoint
@@ -222,14 +223,19 @@ class Simulation:
         if active is None:
             return
         hit = active.in_use[node].any() if scope == NODE else active.in_use[node, gpu]
-        if hit:
+        if not hit:
+            return
+        running = self.phase in ("train", "stall", "save")
+        if scope == GPU and running and (survivors := self.policy.survivors(self.config)) is not None:
+            self._recover_in_process(survivors)
+        else:
             self._interrupt(self.costs.detect_node_s if scope == NODE else self.costs.detect_s)
 
     def _active_config(self) -> Config | None:
         """The configuration a failure can hit now: running, being saved, or being started."""
         if self.phase in ("train", "stall", "save"):
             return self.config
-        if self.phase in ("plan", "restart", "load"):
+        if self.phase in ("plan", "restart", "load", "re-form", "transfer"):
             return self.starting
         return None  # detect or wait: already down
 
@@ -244,6 +250,21 @@ class Simulation:
         self.pending_phases = []
         self._enter("detect")
         self._push(self.t + detect_s, PHASE_END)
+
+    def _recover_in_process(self, survivors: Config) -> None:
+        """The in-process path (policies.ElastorInProcess): only the step in flight is redone, the
+        save in flight is abandoned, and the survivors detect, re-plan, re-form and fetch their state."""
+        self.counts["interruptions"] += 1
+        self.recomputed_steps += self.progress - math.floor(self.progress)
+        self.progress = float(math.floor(self.progress))
+        self.in_flight_until = self.t
+        self.scale_up = False
+        self.epoch += 1
+        c = self.costs
+        self.starting = survivors
+        self.pending_phases = [("plan", c.plan_s), ("re-form", c.reform_s), ("transfer", c.transfer_s)]
+        self._enter("detect")
+        self._push(self.t + c.detect_s, PHASE_END)
 
     def _on_repair(self, i: int) -> None:
         tr = self.trace
@@ -283,10 +304,10 @@ class Simulation:
                 self._start(candidate)
         elif self.phase == "detect":
             self._try_start()
-        else:  # plan, restart and load are done: run the new configuration
+        else:  # plan, restart and load (or re-form and transfer) are done: run the new configuration
             self.config, self.starting = self.starting, None
             self.rate = self.config.samples_per_s / self.G
-            self.counts["restarts"] += 1
+            self.counts["in_process" if self.phase == "transfer" else "restarts"] += 1
             self._resume()
             self.scale_up = self.K is not None and self._worth_scaling_up()
 

@@ -163,7 +163,7 @@ def summarize(runs: pd.DataFrame, by: Sequence[str] = ("policy",)) -> pd.DataFra
         row["runs"] = len(group)
         for m in metrics:
             row[m], row[f"{m}_ci"] = mean_ci(group[m].to_numpy())
-        for c in ("interruptions", "restarts", "scale_ups"):
+        for c in ("interruptions", "restarts", "in_process", "scale_ups"):
             row[c] = float(group[c].mean())
         out.append(row)
     return pd.DataFrame(out)

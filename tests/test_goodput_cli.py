@@ -153,7 +153,7 @@ def test_without_failures_there_are_no_periodic_checkpoints(monkeypatch, profile
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "checkpoint interval none (no failures)" in printed
-    assert "\nelastor          320.0              100.00 " in printed and "±" not in printed
+    assert "\nelastor             320.0              100.00 " in printed and "±" not in printed
     assert "confidence intervals need --runs 3 or more" in printed
     assert main([*args, "--sweep-intervals", "auto"]) == 2
     assert "--sweep-intervals auto needs failures" in capsys.readouterr().err

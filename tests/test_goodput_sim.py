@@ -79,7 +79,51 @@ def test_one_gpu_failure_costs_recomputation_stall_restart_and_load():
     assert lost["wait"] == 0
     assert r.useful_samples == pytest.approx((2000 + 8.75 * (400 - 287)) * 8, rel=1e-12)
     assert r.useful_samples + sum(lost.values()) == pytest.approx(80 * 400, rel=1e-12)
-    assert r.counts == {"failures": 1, "interruptions": 1, "restarts": 1, "scale_ups": 0, "checkpoints": 2}
+    assert r.counts == {
+        "failures": 1,
+        "interruptions": 1,
+        "restarts": 1,
+        "in_process": 0,
+        "scale_ups": 0,
+        "checkpoints": 2,
+    }
+
+
+def replicated_oracle(sig):
+    """As linear_oracle, in two pipelines (replicas to recover from) from two GPUs on."""
+    gpus = sum(expand(sig))
+    return PlanPoint(samples_per_s=PER_GPU * gpus, num_pipelines=min(gpus, 2)) if gpus else None
+
+
+IN_PROCESS_COSTS = RecoveryCosts(**{**COSTS.to_json(), "reform_s": 4.0, "transfer_s": 0.5, "source": "test"})
+
+
+def test_a_gpu_lost_in_process_redoes_only_the_step_in_flight():
+    # As above up to 250.05 (2460.5 steps): n1:2 fails and the survivors go on in-process: half a
+    # step (4 samples) is redone; detect 10, plan 1, re-form 4, transfer 0.5, so from 265.55 on 7
+    # GPUs (8.75 steps/s) from step 2460; the checkpoint of step 3000 falls due 540 / 8.75 s later
+    # and stalls 2 s; training runs to the horizon at 400.
+    s = study(costs=IN_PROCESS_COSTS, oracle=replicated_oracle)
+    r = run(s, "elastor-in-process", [(250.05, "gpu", 1, 2, 1e6)])
+    lost = r.lost_samples()
+    trained_after = 400 - 265.55 - 2
+    assert lost["recompute"] == pytest.approx(0.5 * 8, rel=1e-9)
+    assert lost["restart"] == pytest.approx((10 + 1 + 4 + 0.5) * 80, rel=1e-9)
+    assert lost["stall"] == pytest.approx(3 * 2.0 * 80, rel=1e-9)
+    assert lost["degraded"] == pytest.approx((80 - 70) * trained_after, rel=1e-9)
+    assert r.useful_samples == pytest.approx((2460 + 8.75 * trained_after) * 8, rel=1e-9)
+    assert r.useful_samples + sum(lost.values()) == pytest.approx(80 * 400, rel=1e-12)
+    assert r.counts["in_process"] == 1 and r.counts["restarts"] == 0
+    # The same failure under `elastor` restarts from the checkpoint of step 2000.
+    assert run(s, "elastor", [(250.05, "gpu", 1, 2, 1e6)]).lost_samples()["recompute"] > 400 * 8
+
+
+def test_a_lost_node_or_a_plan_without_replicas_takes_the_restart_path():
+    s = study(costs=IN_PROCESS_COSTS, oracle=replicated_oracle)
+    node = run(s, "elastor-in-process", [(250.05, "node", 1, 0, 1e6)])
+    assert node.counts["restarts"] == 1 and node.counts["in_process"] == 0
+    single = run(study(costs=IN_PROCESS_COSTS), "elastor-in-process", [(250.05, "gpu", 1, 2, 1e6)])
+    assert single.counts["restarts"] == 1 and single.counts["in_process"] == 0
 
 
 def test_a_job_crash_restarts_on_the_same_layout_without_planning():

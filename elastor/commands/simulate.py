@@ -324,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
         f"costs ({c.source}): detect {c.detect_s:g} s (a lost host {c.detect_node_s:g} s), "
         f"plan {c.plan_s:g} s, restart {c.restart_s:g} s, "
         f"load {c.load_s:.1f} s (reshard {c.reshard_load_s:.1f} s), checkpoint stall {c.ckpt_stall_s:.2f} s "
-        f"+ background {c.ckpt_background_s:.2f} s\n"
+        f"+ background {c.ckpt_background_s:.2f} s; in-process: re-form {c.reform_s:g} s, transfer "
+        f"{c.transfer_s:.2f} s\n"
         f"checkpoint interval {interval} (Young {young:.0f} s, Daly {daly:.0f} s)\n"
     )
     table = loss_table(outcome.summary)

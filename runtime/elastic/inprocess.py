@@ -12,19 +12,25 @@ taken, a restart. Keys, under `inprocess/`:
 - `formed/<g>` counts the ranks of generation g's plan that have restored (a loss before all have
   is answered with a restart);
 - `gen/<g>` is generation g's decision (g >= 1; generation 0 is the round's own plan):
-  `{"plan", "order", "stop_at", "lost"}` where `order` lists the survivors that take part, the new
-  plan's devices first (in its rank order) and then the survivors it leaves out; or
-  `{"restart": why}`.
+  `{"plan", "order", "stop_at", "lost", "losses"}`, where `order` lists the survivors that take
+  part (the new plan's devices first, in its rank order, then the survivors it leaves out) and
+  `losses` counts every loss answered so far; or `{"restart": why}`.
 
-A surviving worker notices the failure as an error of a collective or point-to-point operation
-with a peer that died or left (`is_peer_failure`; gloo raises a RuntimeError of its transport, NCCL
-a DistError). It then (`Recovery.recover`):
+A surviving worker notices the failure in one of two ways: an operation with a peer that died or
+left fails (`is_peer_failure`; gloo raises a RuntimeError of its transport, NCCL a DistError), or
+its watch thread sees a loss reported on the store (every WATCH_S) and aborts its communication
+(`abort_communication`), which makes the operation it waits in, or its next one, fail at once. The
+watch matters for a rank that waits on a live peer which itself never posts its part (it left the
+job first): without it that rank would wait out the collective timeout. Then (`Recovery.leave`,
+`Recovery.rejoin`):
 
-1. takes its training state (`runtime.state.training_state`: live views of the fp32 masters and
-   AdamW moments of the rows it keeps, and the step it completed), abandons a checkpoint save that
-   can no longer be committed, closes its trainer and leaves the job (`runtime.distributed.leave_job`:
-   its process groups are destroyed and freed, so that every peer still blocked on it fails too);
-2. waits for the decision of the next generation on the round's store;
+1. it aborts its own communication (so that every peer that has not noticed yet does now), waits
+   for its pending reductions to fail, takes its training state (`runtime.state.training_state`:
+   live views of the fp32 masters and AdamW moments of the rows it keeps, and the step it
+   completed), abandons a checkpoint save that can no longer be committed, closes its trainer and
+   leaves the job (`runtime.distributed.leave_job`: the process groups are destroyed and freed on
+   the main thread);
+2. it waits for the decision of the next generation on the round's store;
 3. joins the new generation's process group under the prefix `inprocess/gen<g>/` of the same store,
    with its rank in `order`;
 4. agrees on the step (`runtime.elastic.peers.agreed_step`, the commit check) and fetches the new

@@ -26,6 +26,13 @@ Every node runs one (`elastor run --node NAME ...`); one of them also leads (the
    the same error as the one before, on the same GPUs, without a newer checkpoint; or more rounds
    failed than `--max-restarts` allows. Then the run stops with that error in one sentence (exit 2).
 
+Recovery (`--recovery`): with `in-process` (the default) step 3 starts the workers directly, one
+process per device, instead of torchrun (runtime/elastic/workers.py), and a dead worker does not end
+the round: its survivors re-plan in their own processes and fetch their state from each other's
+memory (runtime/elastic/inprocess.py); only what that path cannot recover (a lost host, a hang, a
+lost ZeRO-1 slice, a plan without replicas, a failure while re-forming) ends the round as in step 4.
+With `restart` every failure ends the round under torchrun, as described above.
+
 Stopping: the first SIGTERM or SIGINT to a supervisor asks its round's workers to stop after their
 step (runtime/stopping.py: the request reaches every rank of the job through the step's all-reduce),
 and they save a checkpoint and exit; the supervisor reports the stop, and the leader ends the run
