@@ -80,6 +80,8 @@ class Trainer:
         self.optimizer = build_optimizer([piece.param for piece in self.main.pieces], optim)
         self.step, self.cursor = 0, 0
         self.last: StepResult | None = None  # the newest step's result (an in-process recovery reports it)
+        self.last_totals: torch.Tensor | None = None  # and its all-reduced totals
+        self.awaiting_commit = False  # inside a step's all-reduce: gradients reduced, totals not known
 
         # The sample stream (runtime/data.py); synthetic tokens from the seed unless one is given.
         self.prefetcher: Prefetcher | None = None
@@ -118,8 +120,18 @@ class Trainer:
                 torch.tensor(float(stopping.current.requested), device=self.ctx.device),
             ]
         )
+        self.awaiting_commit = True  # until the totals are known: an in-process recovery may finish it
         with progress.current.waiting():
             dist.all_reduce(totals)
+        return self.commit(totals, start)
+
+    def commit(self, totals: torch.Tensor, start: float | None = None) -> StepResult:
+        """The rest of a step once its all-reduced totals (squared gradient norm, loss, stop flag) are
+        known: clip, AdamW on the masters, publish, advance. Local: a survivor whose step's all-reduce
+        failed after some peer had completed it finishes the step with that peer's totals
+        (runtime/elastic/inprocess.py)."""
+        self.awaiting_commit = False
+        self.last_totals = totals.detach().clone()
         norm, global_loss, stop = totals[0].sqrt().item(), totals[1].item(), totals[2].item() > 0
         coef = self.optim.clip_coefficient(norm)
         if coef < 1.0:
@@ -136,7 +148,7 @@ class Trainer:
             loss=global_loss,
             grad_norm=norm,
             lr=lr,
-            step_time_s=time.perf_counter() - start,
+            step_time_s=time.perf_counter() - (start if start is not None else time.perf_counter()),
             stop=stop,
         )
         return self.last

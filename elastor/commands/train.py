@@ -277,10 +277,10 @@ def run(args: argparse.Namespace) -> int:
                     received_bytes=rejoined.received_bytes,
                     checkpoint_files_read=files_opened() - files_before_recovery,
                 )
-            last = left.last
-            if metrics and left.plan.devices[0] in rejoined.lost and last and last.step == trainer.step:
-                # The writer of the metrics died: its last step's record may be lost with it (every
-                # survivor knows that step's loss from the step's all-reduce).
+            last = rejoined.last
+            if metrics and rejoined.record_missing and last and last.step == trainer.step:
+                # The old writer of the metrics died, or stopped inside the step's commit: that
+                # step's record may be missing (every survivor knows its loss from its all-reduce).
                 metrics.write(
                     {
                         "step": last.step,

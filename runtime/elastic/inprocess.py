@@ -33,7 +33,9 @@ job first): without it that rank would wait out the collective timeout. Then (`R
 2. it waits for the decision of the next generation on the round's store;
 3. joins the new generation's process group under the prefix `inprocess/gen<g>/` of the same store,
    with its rank in `order`;
-4. agrees on the step (`runtime.elastic.peers.agreed_step`, the commit check) and fetches the new
+4. agrees on the step (the commit check, `Recovery._agree`: when the failure struck inside a step's
+   final all-reduce, which some survivors completed, the others finish that step with their
+   totals, as every rank contributed to them after its gradients were reduced) and fetches the new
    plan's state from the survivors' memory (`runtime.elastic.peers.fetch_state`); no checkpoint
    file is read (`runtime.checkpoint.load.files_opened()` counts them; the `restored` event reports
    the count);
@@ -63,13 +65,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from runtime.distributed import ENV_MASTER, DistContext, leave_job
 from runtime.elastic import progress
-from runtime.elastic.peers import MissingRows, agreed_step, fetch_state
+from runtime.elastic.peers import MissingRows, fetch_state
 from runtime.state import restore_training_state, training_state
 
 ENV_RECOVERY = "ELASTOR_RECOVERY"  # "in-process" when the supervisor lets its workers recover so
@@ -177,6 +180,8 @@ class Rejoined:
     received_bytes: int
     lost: list[str]
     generation: int
+    last: Any  # runtime.trainer.StepResult of the agreed step, if this process knows it
+    record_missing: bool  # the old plan's metrics writer did not live to record that step
 
 
 @dataclass
@@ -186,6 +191,8 @@ class Left:
     pieces: list  # runtime.state.StatePiece, live views of the fp32 masters and moments it kept
     meta: dict[str, Any]
     last: Any  # runtime.trainer.StepResult of the last step it completed, or None
+    totals: Any  # that step's all-reduced totals (torch.Tensor), or None
+    trainer: Any  # the old trainer while its step awaits its totals (see Recovery._agree), else None
     plan: Plan
     device_name: str
     device: Any  # torch.device
@@ -263,6 +270,8 @@ class Recovery:
             pieces=pieces,
             meta=meta,
             last=trainer.last,
+            totals=trainer.last_totals,
+            trainer=trainer if trainer.awaiting_commit else None,
             plan=trainer.plan,
             device_name=trainer.ctx.device_name,
             device=trainer.ctx.device,
@@ -293,8 +302,7 @@ class Recovery:
             raise CannotRecover(f"{me} is not among the survivors of generation {g}")
         self._join(f"gen{g}/", order.index(me), len(order))
         marks["joined"] = time.perf_counter()
-        if agreed_step(int(left.meta["step"])) is None:
-            raise CannotRecover("the survivors stopped on different steps (a failure inside a step's commit)")
+        last, record_missing = self._agree(left, order)
         try:
             tensors, _, received = fetch_state(
                 left.pieces,
@@ -335,7 +343,44 @@ class Recovery:
             received_bytes=received,
             lost=list(decision.get("lost", [])),
             generation=g,
+            last=last,
+            record_missing=record_missing,
         )
+
+    def _agree(self, left: "Left", order: list[str]) -> tuple[Any, bool]:
+        """The commit check, on the new generation's group: every survivor's step, whether it stopped
+        inside its step's final all-reduce (its gradients reduced, the totals not received) and its
+        last totals, gathered. All on one step: done. Some one step further: they completed the
+        all-reduce that the others were inside, so every rank had contributed to it, and the others
+        finish that step with its totals (`Trainer.commit`, local). Anything else cannot be
+        reconciled. Every rank reaches the same verdict from the same gathered numbers. Returns the
+        agreed step's result (if known here) and whether the old metrics writer missed it."""
+        step = int(left.meta["step"])
+        mine = torch.zeros(5, dtype=torch.float64, device=left.device)
+        mine[0], mine[1] = step, float(left.trainer is not None)
+        if left.totals is not None:
+            mine[2:] = left.totals.to(mine)
+        everyone = torch.empty(5 * len(order), dtype=torch.float64, device=left.device)
+        dist.all_gather_into_tensor(everyone, mine)
+        everyone = everyone.view(len(order), 5).cpu()
+        steps = everyone[:, 0].long().tolist()
+        high, low = max(steps), min(steps)
+        if high != low and (
+            high != low + 1 or not all(everyone[i, 1] == 1 for i, s in enumerate(steps) if s == low)
+        ):
+            raise CannotRecover(
+                f"the survivors stopped on steps {sorted(set(steps))}, which cannot be reconciled"
+            )
+        last = left.last
+        if step < high:
+            donor = everyone[steps.index(high), 2:].float()  # a step's totals are fp32
+            trainer = left.trainer
+            last = trainer.commit(donor.to(left.device))
+            left.pieces, left.meta = training_state(trainer)
+        left.trainer = None
+        writer = left.plan.devices[0]
+        record_missing = writer not in order or steps[order.index(writer)] < high
+        return last, record_missing
 
     def _wait(self, g: int) -> dict:
         deadline = time.monotonic() + DECISION_TIMEOUT_S
