@@ -375,6 +375,12 @@ class Recovery:
         if step < high:
             donor = everyone[steps.index(high), 2:].float()  # a step's totals are fp32
             trainer = left.trainer
+            print(
+                f"elastor train: {left.device_name}: finishing step {high} with a peer's totals "
+                "(the failure struck inside its commit all-reduce)",
+                file=sys.stderr,
+                flush=True,
+            )
             last = trainer.commit(donor.to(left.device))
             left.pieces, left.meta = training_state(trainer)
         left.trainer = None
