@@ -106,7 +106,10 @@ class Elastor(Policy):
 
     def choose(self) -> Config | None:
         healthy = self.hw.healthy
-        counts = self._counts(healthy)
+        return self._plan_on(healthy, self._counts(healthy))
+
+    def _plan_on(self, usable: np.ndarray, counts: np.ndarray) -> Config | None:
+        """The oracle's plan for `counts` GPUs per node, placed on the `usable` ones."""
         nodes = signature_order(counts)
         sig = signature(counts[nodes])
         point = self.oracle(sig) if sig else None
@@ -116,7 +119,7 @@ class Elastor(Policy):
             layout=sig,
             samples_per_s=point.samples_per_s,
             num_pipelines=point.num_pipelines,
-            in_use=place(point, nodes, healthy),
+            in_use=place(point, nodes, usable),
         )
 
     def better(self, current: Config) -> Config | None:
@@ -136,18 +139,7 @@ class ElastorInProcess(Elastor):
         if current.num_pipelines < 2:
             return None
         alive = current.in_use & self.hw.healthy
-        counts = alive.sum(axis=1)
-        nodes = signature_order(counts)
-        sig = signature(counts[nodes])
-        point = self.oracle(sig) if sig else None
-        if point is None:
-            return None
-        return Config(
-            layout=sig,
-            samples_per_s=point.samples_per_s,
-            num_pipelines=point.num_pipelines,
-            in_use=place(point, nodes, alive),
-        )
+        return self._plan_on(alive, alive.sum(axis=1))
 
 
 class NodeDrop(Elastor):

@@ -93,6 +93,7 @@ def wait_for_a_save_in_flight(directory: Path, session: str, after: int, timeout
         seen.update(names)
         if names and len(seen) > after:
             return
+        time.sleep(0.001)  # the savers need the cores more than this loop does
     raise AssertionError(f"no save of session {session} was seen in flight within {timeout_s:.0f} s")
 
 

@@ -112,6 +112,20 @@ class RunConfig:
     recovery: str = "in-process"
     sharding: tuple[str, ...] = ("none",)  # the optimizer layouts the plans may use (solver.solve)
 
+    def solve(self, nodes: tuple[NodeSpec, ...]) -> Plan:
+        """The plan for these nodes' GPUs on the run's device kind and links (`solver.solve`);
+        raises ElastorError (one sentence) when none fits."""
+        from solver import solve  # only the deciding supervisor needs the solver
+
+        cluster = ClusterSpec(
+            device=self.cluster.device,
+            nodes=nodes,
+            links=self.cluster.links,
+            gpus_per_node=self.cluster.gpus_per_node,
+        )
+        batch = self.global_batch_size
+        return solve(self.profile, cluster, batch, method=self.method, sharding=self.sharding)
+
     @property
     def log_dir(self) -> Path:
         """Where each round's worker output goes: `<metrics stem>-logs/round-<r>-<node>.log`."""
@@ -312,19 +326,9 @@ class NodeSupervisor:
                 return {"error": st.stop}
             if healthy == 0:
                 return {"error": f"No healthy GPU is left; {intact}"}
-            cluster = ClusterSpec(
-                device=cfg.cluster.device,
-                nodes=nodes,
-                links=cfg.cluster.links,
-                gpus_per_node=cfg.cluster.gpus_per_node,
-            )
-            from solver import solve  # the solver is only needed by the leader
-
             started = time.perf_counter()
             try:
-                plan = solve(
-                    cfg.profile, cluster, cfg.global_batch_size, method=cfg.method, sharding=cfg.sharding
-                )
+                plan = cfg.solve(nodes)
             except ElastorError as e:
                 return {"error": f"{str(e).rstrip('.')}; {intact}"}
             wall = time.perf_counter() - started

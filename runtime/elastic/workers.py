@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from costmodel.cluster import ClusterSpec, NodeSpec, parse_device
+from costmodel.cluster import NodeSpec, parse_device
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from runtime.elastic import inprocess, lifeline, progress
@@ -231,7 +231,6 @@ class Workers:
         `runtime.elastic.peers.plan_transfers`, which every survivor would otherwise find itself)."""
         from runtime.elastic.peers import plan_transfers
         from runtime.elastic.supervisor import _say
-        from solver import solve
 
         cfg = self.sup.config
         survivors = [d for d in current.devices if d not in lost]
@@ -244,17 +243,9 @@ class Workers:
             for d in survivors:
                 node, gpu = parse_device(d)
                 by_node.setdefault(node, []).append(gpu)
-            cluster = ClusterSpec(
-                device=cfg.cluster.device,
-                nodes=tuple(NodeSpec(name=n, gpus=tuple(g)) for n, g in by_node.items()),
-                links=cfg.cluster.links,
-                gpus_per_node=cfg.cluster.gpus_per_node,
-            )
             started = time.perf_counter()
             try:
-                plan = solve(
-                    cfg.profile, cluster, cfg.global_batch_size, method=cfg.method, sharding=cfg.sharding
-                )
+                plan = cfg.solve(tuple(NodeSpec(name=n, gpus=tuple(g)) for n, g in by_node.items()))
             except ElastorError as e:
                 why = f"no plan fits the survivors ({str(e).rstrip('.')})"
             wall = time.perf_counter() - started
