@@ -101,32 +101,37 @@ class Workers:
                 elif asked_at is not None and time.monotonic() - asked_at > lifeline.STOP_REQUEST_S:
                     _say(f"the workers on {self.node} did not stop within {lifeline.STOP_REQUEST_S:.0f} s")
                     break
-                for device, proc in self.procs.items():
-                    if device in self.codes or (code := proc.poll()) is None:
-                        continue
-                    self.codes[device] = code
-                    if code == 0:
-                        continue
-                    if code == inprocess.FALLBACK_EXIT or asked_at is not None:
-                        failed = failed or device
-                        continue
-                    _say(f"the worker of {device} exited with {code}; the others re-plan in-process")
-                    self.open_losses.add(device)
-                    inprocess.report_lost(self.store, device, code)
-                if failed:
-                    break
-                if self.hosts:
-                    self._decide_generations()
-                if (decision := inprocess.decision_now(self.store, self.generation + 1)) is not None:
-                    self.generation += 1
-                    if "restart" in decision:
-                        _say(f"round {self.round}: the restart path is taken: {decision['restart']}")
-                        failed = failed or next(iter(self.open_losses), None)
-                        stopped = failed is None  # another node's loss: these workers are only stopped
+                try:
+                    for device, proc in self.procs.items():
+                        if device in self.codes or (code := proc.poll()) is None:
+                            continue
+                        self.codes[device] = code
+                        if code == 0:
+                            continue
+                        if code == inprocess.FALLBACK_EXIT or asked_at is not None:
+                            failed = failed or device
+                            continue
+                        _say(f"the worker of {device} exited with {code}; the others re-plan in-process")
+                        self.open_losses.add(device)
+                        inprocess.report_lost(self.store, device, code)
+                    if failed:
                         break
-                    devices = Plan.from_json(decision["plan"]).devices
-                    self.open_losses -= set(decision["lost"])
-                    watch = progress.HangWatch(list(devices), self._mine(devices), cfg.hang_timeout_s)
+                    if self.hosts:
+                        self._decide_generations()
+                    if (decision := inprocess.decision_now(self.store, self.generation + 1)) is not None:
+                        self.generation += 1
+                        if "restart" in decision:
+                            _say(f"round {self.round}: the restart path is taken: {decision['restart']}")
+                            failed = failed or next(iter(self.open_losses), None)
+                            stopped = failed is None  # another node's loss: these workers are only stopped
+                            break
+                        devices = Plan.from_json(decision["plan"]).devices
+                        self.open_losses -= set(decision["lost"])
+                        watch = progress.HangWatch(list(devices), self._mine(devices), cfg.hang_timeout_s)
+                except dist.DistError:  # the round's store is gone: its host was lost
+                    _say(f"round {self.round}: its store is unreachable; stopping the workers on {self.node}")
+                    stopped = True
+                    break
                 if time.monotonic() - looked_at < LOOK_S:
                     continue
                 looked_at = time.monotonic()
@@ -182,11 +187,14 @@ class Workers:
         return [d for d in devices if d in self.procs and d not in self.codes]
 
     def _covered(self) -> set[str]:
-        """The devices whose loss a published generation answered."""
+        """The devices whose loss a published generation answered (none if the store is gone)."""
         covered = set()
-        for g in range(1, self.generation + 1):
-            decision = inprocess.decision_now(self.store, g) or {}
-            covered |= set(decision.get("lost", ()))
+        try:
+            for g in range(1, self.generation + 1):
+                decision = inprocess.decision_now(self.store, g) or {}
+                covered |= set(decision.get("lost", ()))
+        except dist.DistError:
+            return set()
         return covered
 
     def _stop_all(self) -> None:
