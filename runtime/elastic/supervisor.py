@@ -182,6 +182,14 @@ class RoundExit:
     since_s: float | None = None  # when the hang began (wall clock)
     stop_signal: int = 0  # this supervisor was asked to stop by this signal (its workers saved and exited)
 
+    @classmethod
+    def failed(cls, node: str, code: int, log: Path, *, stopped: bool, stop_signal: int) -> "RoundExit":
+        """Workers that exited with `code`: said, and their error found in their output `log`."""
+        _say(f"workers on {node} exited with {code}; their output is in {log}")
+        return cls(
+            code=code, error=worker_error(log, code), log=str(log), stopped=stopped, stop_signal=stop_signal
+        )
+
 
 class NodeSupervisor:
     def __init__(self, config: RunConfig, rendezvous: Rendezvous, gpus: list[int], host: str = "127.0.0.1"):
@@ -502,14 +510,7 @@ class NodeSupervisor:
             )
         if code == 0:
             return RoundExit(code=0, stop_signal=self.stop_signal)
-        _say(f"workers on {self.node} exited with {code}; their output is in {log}")
-        return RoundExit(
-            code=code,
-            error=worker_error(log, code),
-            log=str(log),
-            stopped=stopped,
-            stop_signal=self.stop_signal,
-        )
+        return RoundExit.failed(self.node, code, log, stopped=stopped, stop_signal=self.stop_signal)
 
     def _torchrun(
         self, round_: int, plan: Plan, on_node: list[str], plan_path: Path, decision: dict, store: str

@@ -161,17 +161,8 @@ class Workers:
         bad = {d: c for d, c in self.codes.items() if c != 0 and d not in self._covered()}
         if not bad and not failed and not stopped:
             return RoundExit(code=0, stop_signal=sup.stop_signal)
-        from runtime.elastic.supervisor import worker_error
-
         code = next(iter(bad.values()), 1)
-        _say(f"workers on {self.node} exited with {code}; their output is in {log}")
-        return RoundExit(
-            code=code,
-            error=worker_error(log, code),
-            log=str(log),
-            stopped=stopped,
-            stop_signal=sup.stop_signal,
-        )
+        return RoundExit.failed(self.node, code, log, stopped=stopped, stop_signal=sup.stop_signal)
 
     def _running(self) -> bool:
         """Whether the round goes on for this node: a worker runs, a loss of its awaits a decision,
