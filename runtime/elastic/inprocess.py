@@ -301,8 +301,8 @@ class Recovery:
         if me not in order:
             raise CannotRecover(f"{me} is not among the survivors of generation {g}")
         self._join(f"gen{g}/", order.index(me), len(order))
-        marks["joined"] = time.perf_counter()
         last, record_missing = self._agree(left, order)
+        marks["joined"] = time.perf_counter()  # and agreed: what follows is the transfer alone
         try:
             tensors, _, received = fetch_state(
                 left.pieces,

@@ -66,7 +66,7 @@ class Workers:
         env = sup._worker_env(self.round, plan, on_node, self.decision, progress_dir, self.address)
         env[inprocess.ENV_RECOVERY] = "in-process"
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it: one process per device shares the host
-        command = [*sup._train_command(plan_path, self.decision)]
+        command = sup._train_command(plan_path, self.decision)
         with open(log, "w") as out:
             for local, device in enumerate(on_node):
                 rank_env = {
@@ -158,7 +158,8 @@ class Workers:
                 hung=verdict.devices,
                 since_s=verdict.since_s,
             )
-        bad = {d: c for d, c in self.codes.items() if c != 0 and d not in self._covered()}
+        covered = self._covered()
+        bad = {d: c for d, c in self.codes.items() if c != 0 and d not in covered}
         if not bad and not failed and not stopped:
             return RoundExit(code=0, stop_signal=sup.stop_signal)
         code = next(iter(bad.values()), 1)
