@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import run_env
+from dist_helpers import launch, run_env, torchrun
 from test_elastic import (
     CKPT_EVERY,
     RUN_TIMEOUT_S,
@@ -25,6 +25,7 @@ from test_elastic import (
 )
 
 from costmodel import Plan
+from costmodel.jsonio import write_json
 from runtime.compare import compare_runs
 from runtime.elastic.report import format_recoveries, read_metrics, recoveries
 
@@ -62,10 +63,67 @@ def test_a_lost_worker_is_recovered_in_process_and_matches_an_uninterrupted_run(
     _assert_matches_reference(tmp_path, records, steps)
 
 
-def test_a_lost_zero1_slice_falls_back_to_the_checkpoint_and_says_why(tmp_path):
-    """Under ZeRO-1 the lost rank's optimizer slice is held by nobody else: the restart path runs."""
-    profile = _profile(tmp_path / "bf16.json", "bfloat16")  # ZeRO-1 pays in 16-bit: the solver takes it
-    done = _run(tmp_path, profile, "2,2", 8, "--sharding=zero1", "--inject-failure=n1:1@5")
+@pytest.fixture(scope="module")
+def bf16_profile(tmp_path_factory) -> Path:
+    """A bf16 profile: ZeRO-1 pays in 16-bit, so the solver takes it."""
+    return _profile(tmp_path_factory.mktemp("bf16") / "profile.json", "bfloat16")
+
+
+def test_a_lost_zero1_slice_rolls_back_to_its_peer_snapshot_exactly(tmp_path, bf16_profile):
+    """Under ZeRO-1 the lost rank's optimizer slice lives on in its buddy's snapshot: every survivor
+    rolls back to that snapshot's step, in-process, reading no checkpoint, and redoes the steps since.
+    The run is bit for bit the one that trains the first plan to that step, saves, and resumes under
+    the second plan from the checkpoint."""
+    steps = 10
+    done = _run(
+        tmp_path, bf16_profile, "2,2", steps, "--sharding=zero1", "--peer-snapshot-every=3",
+        "--inject-failure=n1:1@5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    first = Plan.from_json(next(r["plan"] for r in records if r.get("event") == "replanned"))
+    assert first.optimizer.sharding == "zero1"
+    announced = [r for r in records if r.get("event") == "peer_snapshots"]
+    assert announced and announced[0]["every"] == 3 and announced[0]["max_sent_bytes"] > 0
+    detected = next(r for r in records if r.get("event") == "failure_detected")
+    assert detected["path"] == "in-process" and detected["source"] == "peer snapshot"
+    restored = next(r for r in records if r.get("event") == "restored")
+    assert restored["path"] == "in-process" and restored["source"] == "peer snapshot"
+    assert restored["checkpoint_files_read"] == 0
+    assert restored["step"] == 3 and restored["rolled_back_steps"] == 2  # the snapshot of step 3
+    assert [r.path for r in recoveries(records)] == ["in-process"]
+    plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
+    reference = _switched_reference(tmp_path / "reference", plans, 3, steps)
+    check = compare_runs(records, read_metrics(reference / "metrics.jsonl"), tmp_path / "ckpt", reference)
+    assert check["steps_match"], check
+    assert check["loss_max_rel_diff"] == 0.0 and check["param_max_abs_diff"] == 0.0, check
+
+
+def _switched_reference(out: Path, plans: list[Plan], switch_step: int, steps: int) -> Path:
+    """Train plans[0] to `switch_step` under torchrun, save, and resume under plans[1] to `steps`:
+    the uninterrupted run of an exact rollback to `switch_step`. Returns its checkpoint directory."""
+    out.mkdir()
+    common = [f"--steps={steps}", f"--ckpt-dir={out}", f"--metrics={out / 'metrics.jsonl'}", "--device=cpu"]
+    for k, (plan, extra) in enumerate([(plans[0], [f"--stop-at={switch_step}"]), (plans[1], [])]):
+        write_json(out / f"plan-{k}.json", plan.to_json())
+        command = torchrun(plan.world_size, "-m", "elastor", "train", f"--plan={out / f'plan-{k}.json'}")
+        done = launch([*command, *common, *extra], timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_lost_zero1_slice_falls_back_to_the_checkpoint_and_says_why(tmp_path, bf16_profile):
+    """Under ZeRO-1 without peer snapshots the lost rank's optimizer slice is held by nobody else:
+    the restart path runs."""
+    done = _run(
+        tmp_path,
+        bf16_profile,
+        "2,2",
+        8,
+        "--sharding=zero1",
+        "--peer-snapshot-every=0",
+        "--inject-failure=n1:1@5",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     declined = [r for r in records if r.get("event") == "in_process_declined"]

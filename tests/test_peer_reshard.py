@@ -270,3 +270,66 @@ def test_survivors_replan_in_process_and_train_on_as_one_process(phase, tmp_path
     phases = [json.loads((tmp_path / f"replan{r}.json").read_text()) for r in range(3)]
     assert sum(p["received_bytes"] for p in phases) > 0  # n0:0 and n0:1 took blocks 3-5 from n1:0
     assert not list(tmp_path.glob("**/step-*"))  # no checkpoint anywhere
+
+
+# ---- peer snapshots (runtime/elastic/snapshots.py) ------------------------------------------------
+
+
+def test_each_device_has_one_buddy_and_one_ward_on_another_node_where_the_ring_allows():
+    from runtime.elastic.snapshots import buddies
+
+    plan = _two_replicas("zero1")  # n0 holds three devices, n1 one
+    ring = buddies(plan)
+    assert sorted(ring) == sorted(plan.devices) and sorted(ring.values()) == sorted(plan.devices)
+    assert all(keeper != device for device, keeper in ring.items())
+    assert ring["n0:0"] == "n1:0" and ring["n1:0"] == "n0:1"  # interleaved by node: n0:0 n1:0 n0:1 n0:2
+    even = _renamed(_two_replicas("zero1"), ["a:0", "a:1", "b:0", "b:1"])
+    assert all(d.split(":")[0] != k.split(":")[0] for d, k in buddies(even).items())
+
+
+def test_a_lost_zero1_slice_is_covered_by_its_keepers_snapshot_and_only_by_it():
+    from runtime.elastic.snapshots import buddies, needed
+
+    survivors = ["n0:0", "n0:1", "n1:0"]  # n0:2 is lost
+    old = _two_replicas("zero1")
+    assert needed(old) and not needed(_two_replicas("none"))
+    new = _renamed(random_plan(random.Random(5), world_size=3), survivors)
+    keeper = buddies(old)["n0:2"]
+    covered = plan_transfers(old, new, survivors, stand_ins={"n0:2": keeper})
+    assert covered.complete
+    lost, own = _kept_rows(old, "n0:2"), _kept_rows(old, keeper)
+    # what the keeper sends beyond its own rows are the lost device's rows (from its copy)
+    from_copy = [
+        m
+        for m in covered.moves
+        if m.source == keeper
+        and not set(range(m.rows.start, m.rows.stop)) <= own.get(_base(m.rows.name), set())
+    ]
+    assert from_copy and all(
+        set(range(m.rows.start, m.rows.stop)) <= lost[_base(m.rows.name)] for m in from_copy
+    )
+    # a stand-in that is not a survivor covers nothing
+    assert not plan_transfers(old, new, survivors, stand_ins={"n0:2": "n0:2"}).complete
+
+
+def _base(name: str) -> str:
+    for prefix in KINDS:
+        if prefix and name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def test_the_rollback_step_is_the_newest_every_survivor_and_every_lost_copy_holds():
+    from runtime.elastic.snapshots import buddies, rollback_step
+
+    plan = _two_replicas("zero1")
+    order = ["n0:0", "n0:1", "n1:0"]  # n0:2 lost; its copy is kept by n0:0 (the ring wraps)
+    assert buddies(plan)["n0:2"] == "n0:0"
+    # [agreed step, pending step, pending's ward copy arrived]
+    assert rollback_step(plan, order, [[6, 9, 1], [6, 9, 1], [6, 9, 0]], ["n0:2"]) == 9
+    assert rollback_step(plan, order, [[6, 9, 0], [6, 9, 1], [6, 9, 1]], ["n0:2"]) == 6  # not arrived
+    assert rollback_step(plan, order, [[6, 9, 1], [9, -1, 0], [6, 9, 1]], ["n0:2"]) == 9
+    assert rollback_step(plan, order, [[3, 6, 1], [6, 9, 1], [6, 9, 1]], ["n0:2"]) == 6
+    assert rollback_step(plan, order, [[-1, 0, 0], [0, -1, 0], [0, -1, 0]], ["n0:2"]) is None
+    # the keeper lost too: nothing to roll back to
+    assert rollback_step(plan, ["n0:1", "n1:0"], [[6, 9, 1], [6, 9, 1]], ["n0:0", "n0:2"]) is None

@@ -18,7 +18,7 @@ from elastor.commands.argtypes import (
     integer,
     real,
 )
-from elastor.commands.train import EVAL_BATCHES, EVAL_FRACTION, LR, TIMEOUT_S
+from elastor.commands.train import EVAL_BATCHES, EVAL_FRACTION, LR, SNAPSHOT_EVERY, TIMEOUT_S
 
 EXAMPLE = (
     "elastor run --cluster 2,2 --profile profiles/gpt-tiny-cpu.json --global-batch-size 16 --steps 40 \\\n"
@@ -27,6 +27,7 @@ EXAMPLE = (
 
 # Flags passed unchanged to `elastor train` by every supervisor.
 TRAIN_FLAGS = (
+    "peer_snapshot_every",
     "data",
     "seed",
     "lr",
@@ -40,6 +41,9 @@ TRAIN_FLAGS = (
 # Rounds that may follow a failed round: enough for a handful of GPU failures in one run, few enough
 # that a cause no restart can fix stops the run in minutes.
 MAX_RESTARTS = 10
+# Steps between peer snapshots (runtime/elastic/snapshots.py): a lost ZeRO-1 slice redoes at most
+# this many steps, and each worker sends the state it alone keeps once per this many.
+PEER_SNAPSHOT_EVERY = 10
 RESTARTS = integer(0, 10_000)
 POSITIVE_STEPS = integer(1, MAX_STEPS)
 SECONDS = real(1.0, 86_400.0)
@@ -144,6 +148,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="after a worker dies: its surviving peers re-plan and reshard from each other's memory in "
         "their processes, falling back to a restart where they cannot (in-process, the default); or "
         "every failure restarts the round's workers under torchrun from the newest checkpoint (restart)",
+    )
+    p.add_argument(
+        "--peer-snapshot-every",
+        type=SNAPSHOT_EVERY,
+        default=PEER_SNAPSHOT_EVERY,
+        help=f"in-process recovery: every this many steps each worker copies the state it alone keeps "
+        f"(ZeRO-1 slices, any row without a replica) to a peer on another node, and the loss of such "
+        f"state rolls the survivors back to that copy instead of restarting, {SNAPSHOT_EVERY}; 0 for "
+        "never (default: %(default)s)",
     )
     p.add_argument(
         "--inject-failure",
@@ -255,6 +268,7 @@ def _run_node(args, profile, cluster, failures, recoveries) -> int:
         hang_timeout_s=args.hang_timeout_s,
         recovery=args.recovery,
         sharding=SHARDING if args.sharding == "auto" else (args.sharding,),
+        peer_snapshot_every=args.peer_snapshot_every if args.recovery == "in-process" else 0,
     )
     gpus = _gpus(args.gpus, args.device)
     rendezvous = _rendezvous(args, token)

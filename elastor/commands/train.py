@@ -26,6 +26,7 @@ GRAD_CLIP = real(low=0.0, high=1e6)
 TIMEOUT_S = real(above=0.0, high=86_400.0)
 # Checkpoints kept: each is a full copy of the training state.
 KEEP = integer(1, 1000)
+SNAPSHOT_EVERY = integer(0, MAX_STEPS)
 
 EXAMPLE = (
     "python -m torch.distributed.run --nproc-per-node 7 --master-addr 127.0.0.1 --master-port 29511 \\\n"
@@ -128,6 +129,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"global-norm clip, {GRAD_CLIP}, 0 for none (default: %(default)s)",
     )
     p.add_argument(
+        "--peer-snapshot-every",
+        type=SNAPSHOT_EVERY,
+        default=0,
+        help=f"under `elastor run`'s in-process recovery, every this many steps copy the state only "
+        f"this rank keeps (ZeRO-1 slices; any row without a replica) to a peer's host memory, so that "
+        f"its loss rolls back to that copy instead of restarting, {SNAPSHOT_EVERY}; 0 for never "
+        "(default)",
+    )
+    p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when torch sees one"
     )
     p.add_argument(
@@ -199,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
         return Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
 
     recovery = inprocess.Recovery.from_env(os.environ, ctx.backend, args.timeout_s)
+    snapshots = None
+    if recovery is not None and args.peer_snapshot_every:
+        from runtime.elastic.snapshots import PeerSnapshots
+
+        snapshots = PeerSnapshots(args.peer_snapshot_every, timeout_s=args.timeout_s)
     trainer = build(plan, ctx)
     metrics = MetricsWriter(args.metrics) if ctx.rank == 0 else None
     ckpt_dir, lock, hook, stopped = (Path(args.ckpt_dir) if args.ckpt_dir else None), None, None, False
@@ -221,6 +236,15 @@ def run(args: argparse.Namespace) -> int:
             )
 
         hook = checkpoint_hook(resumed)
+        if snapshots is not None:
+            snapshots.bind(trainer)
+            _announce_snapshots(snapshots, trainer, metrics)
+
+        def after_step(trainer, result) -> float:
+            """The checkpoint's hook, then the peer snapshot's: the seconds both blocked the step."""
+            stall = hook(trainer, result)
+            return stall + (snapshots.after_step(trainer) if snapshots is not None else 0.0)
+
         until = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
         while True:
             failure = None
@@ -229,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                     trainer,
                     until_step=until,
                     metrics=metrics,
-                    after_step=hook,
+                    after_step=after_step,
                     eval_every=args.eval_every,
                     eval_batches=args.eval_batches,
                 )
@@ -244,13 +268,13 @@ def run(args: argparse.Namespace) -> int:
             files_before_recovery = files_opened()
             if hook.saver is not None:
                 hook.saver.abandon()
-            left = recovery.leave(trainer)
+            left = recovery.leave(trainer, snapshots)
             trainer = hook = None  # nothing may keep the old process groups alive
             if metrics:
                 metrics.close()
                 metrics = None
             try:
-                rejoined = recovery.rejoin(left, failure, build, say=_say)
+                rejoined = recovery.rejoin(left, failure, build, say=_say, snapshots=snapshots)
             except inprocess.CannotRecover as e:
                 print(f"elastor train: error: in-process recovery is not possible: {e}", file=sys.stderr)
                 return inprocess.FALLBACK_EXIT
@@ -268,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
                     "restored",
                     step=trainer.step,
                     path="in-process",
-                    source="peers",
+                    source=rejoined.source,
+                    rolled_back_steps=rejoined.rolled_back_steps,
                     generation=rejoined.generation,
                     lost=rejoined.lost,
                     devices=ctx.world_size,
@@ -295,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             left = None
             hook = checkpoint_hook(resumed=True)
+            if snapshots is not None:
+                snapshots.bind(trainer)
+                _announce_snapshots(snapshots, trainer, metrics)
         stopped = bool(results) and results[-1].stop and trainer.step < until
         if stopped and metrics:
             saved = (
@@ -307,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
             )
             print(f"elastor train: stopped on request after step {trainer.step}; {saved}", file=sys.stderr)
     finally:
+        if snapshots is not None:
+            snapshots.release()  # its exchange finishes first: every rank takes the same snapshots
         if recovery is not None:
             recovery.close()
         if trainer is not None:
@@ -323,6 +353,29 @@ def run(args: argparse.Namespace) -> int:
     if stopped and not supervised:  # alone: the status of a process that the signal ended
         return stop_request.exit_code() if stop_request.requested else 128 + signal.SIGTERM
     return 0
+
+
+def _announce_snapshots(snapshots, trainer, metrics) -> None:
+    """The `peer_snapshots` event of a plan whose state needs them: what they cost this job."""
+    if not snapshots.active:
+        return
+    import torch
+    import torch.distributed as dist
+
+    own, ward = snapshots.sent_bytes, snapshots.ward_bytes
+    sizes = torch.tensor([float(own), float(ward), 2.0 * (own + ward)], dtype=torch.float64)
+    if trainer.ctx.is_cuda:
+        sizes = sizes.to(trainer.ctx.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    if metrics:
+        metrics.event(
+            "peer_snapshots",
+            step=trainer.step,
+            every=snapshots.every,
+            max_sent_bytes=int(sizes[0].item()),  # per snapshot, by the rank that sends most
+            max_received_bytes=int(sizes[1].item()),
+            max_host_bytes=int(sizes[2].item()),  # its own and its ward's, twice while one is in flight
+        )
 
 
 def _say(line: str) -> None:

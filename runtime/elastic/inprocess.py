@@ -43,8 +43,14 @@ job first): without it that rank would wait out the collective timeout. Then (`R
    the job over the plan's devices alone when that differs (prefix `inprocess/gen<g>/train/`),
    build the new plan's trainer and restore the state into it. The step in flight is redone.
 
+Rows that only a lost worker kept (its ZeRO-1 slices; any row of a plan without replicas) are taken
+from its peer snapshot instead (runtime/elastic/snapshots.py): in step 4 every survivor agrees on the
+newest snapshot step they can all restore (`Recovery._agree_snapshot`), rolls back to its own
+snapshot of that step, and the keeper of the lost worker's copy passes it on; the steps since the
+snapshot are redone.
+
 When the path cannot be taken (the decision says restart, the survivors stopped on different
-steps, some rows of the new plan are held by no survivor: a lost ZeRO-1 slice) every survivor exits
+steps, some rows of the new plan are held by no survivor and no surviving snapshot) every survivor exits
 with `FALLBACK_EXIT` and one line saying why, and the supervisors take the restart path: the round
 fails, the next one restarts the workers from the newest checkpoint.
 
@@ -72,7 +78,8 @@ from costmodel.errors import ElastorError
 from costmodel.plan import Plan
 from runtime.distributed import ENV_MASTER, DistContext, leave_job
 from runtime.elastic import progress
-from runtime.elastic.peers import MissingRows, fetch_state
+from runtime.elastic.peers import MissingRows, fetch_state, plan_transfers
+from runtime.elastic.snapshots import buddies, rollback_step
 from runtime.state import restore_training_state, training_state
 
 ENV_RECOVERY = "ELASTOR_RECOVERY"  # "in-process" when the supervisor lets its workers recover so
@@ -182,6 +189,8 @@ class Rejoined:
     generation: int
     last: Any  # runtime.trainer.StepResult of the agreed step, if this process knows it
     record_missing: bool  # the old plan's metrics writer did not live to record that step
+    source: str = "peers"  # the survivors' live state, or "peer snapshot" (rolled back to it)
+    rolled_back_steps: int = 0  # steps this survivor had done beyond the snapshot it restored
 
 
 @dataclass
@@ -252,16 +261,19 @@ class Recovery:
             return None
         return cls(environ[ENV_MASTER], backend=backend, timeout_s=timeout_s)
 
-    def leave(self, trainer) -> "Left":
-        """Step 1 up to leaving: this survivor's state (live views) and who it is, its trainer closed.
-        The caller then drops every reference to the trainer (and to anything holding it) and calls
-        `rejoin`, which leaves the job first."""
+    def leave(self, trainer, snapshots=None) -> "Left":
+        """Step 1 up to leaving: this survivor's state (live views) and who it is, its trainer closed
+        (and its peer snapshots' exchange ended, `runtime.elastic.snapshots.PeerSnapshots`, their
+        copies kept). The caller then drops every reference to the trainer (and to anything holding
+        it) and calls `rejoin`, which leaves the job first."""
         with self._lock:
             self._armed = False  # this generation's groups are going; the next one re-arms
         held = [*trainer.groups.all(), dist.group.WORLD]  # freed by leave_job, on this thread
         # Every pending operation fails now, and every peer that has not noticed yet notices.
         abort_communication(self.backend, self.address)
         trainer.main.drain()
+        if snapshots is not None:
+            held += snapshots.stop()
         self.aborted.clear()
         pieces, meta = training_state(trainer)
         trainer.close()
@@ -279,12 +291,20 @@ class Recovery:
         )
 
     def rejoin(
-        self, left: "Left", failure: str, build: Callable[[Plan, Any], Any], *, say: Callable[[str], None]
+        self,
+        left: "Left",
+        failure: str,
+        build: Callable[[Plan, Any], Any],
+        *,
+        say: Callable[[str], None],
+        snapshots=None,
     ) -> Rejoined | None:
         """Steps 1-5 of the module docstring for a survivor that `leave` has prepared: the restored
         trainer of the next generation, or None when this survivor is left out of it (it has passed
-        on its state and should exit). `build(plan, ctx)` makes a trainer. Raises CannotRecover when
-        the restart path must be taken."""
+        on its state and should exit). `build(plan, ctx)` makes a trainer. When some rows of the new
+        plan's state are held by no survivor, `snapshots` (this rank's `PeerSnapshots` of the old
+        plan) supply them: every survivor rolls back to the newest snapshot step they can all
+        restore (`_agree_snapshot`). Raises CannotRecover when the restart path must be taken."""
         me = left.device_name
         leave_job(left.held)
         marks = {"left": time.perf_counter()}
@@ -301,7 +321,22 @@ class Recovery:
         if me not in order:
             raise CannotRecover(f"{me} is not among the survivors of generation {g}")
         self._join(f"gen{g}/", order.index(me), len(order))
-        last, record_missing = self._agree(left, order)
+        transfers = plan_transfers(left.plan, new, order)
+        source, rolled_back, stand_ins = "peers", 0, None
+        if not transfers.complete and snapshots is not None and snapshots.plan == left.plan:
+            # Rows only a lost rank held: every survivor rolls back to a snapshot that has them.
+            lost = [d for d in left.plan.devices if d not in order]
+            step = self._agree_snapshot(left, order, snapshots, lost)
+            rolled_back = int(left.meta["step"]) - step
+            left.pieces, left.meta = snapshots.held_at(step)
+            keepers = buddies(left.plan)
+            stand_ins = {d: keepers[d] for d in lost}
+            transfers = plan_transfers(left.plan, new, order, stand_ins=stand_ins)
+            last, record_missing, source = None, False, "peer snapshot"
+            left.trainer = None
+            say(f"{me}: rolled back {rolled_back} step(s) to the peer snapshot of step {step}")
+        else:
+            last, record_missing = self._agree(left, order)
         marks["joined"] = time.perf_counter()  # and agreed: what follows is the transfer alone
         try:
             tensors, _, received = fetch_state(
@@ -312,10 +347,14 @@ class Recovery:
                 me,
                 rank_of={d: i for i, d in enumerate(order)},
                 device=left.device,
+                stand_ins=stand_ins,
+                transfers=transfers,
             )
         except MissingRows as e:
             raise CannotRecover(f"{str(e).rstrip('.')}: the storage checkpoint must supply them") from None
         left.pieces = []
+        if snapshots is not None:
+            snapshots.release()  # of the old plan; the new plan's trainer takes its own
         marks["transferred"] = time.perf_counter()
         if len(order) > new.world_size:  # the survivors the plan leaves out go; the others re-form
             leave_job()
@@ -345,7 +384,26 @@ class Recovery:
             generation=g,
             last=last,
             record_missing=record_missing,
+            source=source,
+            rolled_back_steps=rolled_back,
         )
+
+    def _agree_snapshot(self, left: "Left", order: list[str], snapshots, lost: list[str]) -> int:
+        """The step to roll back to, on the new generation's group: every survivor's snapshot steps
+        (`PeerSnapshots.summary`) gathered, and the newest step that every survivor holds and whose
+        copy of every lost device reached its keeper (`runtime.elastic.snapshots.rollback_step`);
+        every rank reaches the same answer from the same numbers."""
+        mine = torch.tensor(snapshots.summary(), dtype=torch.float64, device=left.device)
+        everyone = torch.empty(3 * len(order), dtype=torch.float64, device=left.device)
+        dist.all_gather_into_tensor(everyone, mine)
+        summaries = everyone.view(len(order), 3).cpu().tolist()
+        step = rollback_step(left.plan, order, summaries, lost)
+        if step is None:
+            raise CannotRecover(
+                f"no peer snapshot is held by every survivor with the copy of {', '.join(lost)} "
+                "(its keeper was lost too, or no snapshot had been exchanged yet)"
+            )
+        return step
 
     def _agree(self, left: "Left", order: list[str]) -> tuple[Any, bool]:
         """The commit check, on the new generation's group: every survivor's step, whether it stopped

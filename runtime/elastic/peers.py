@@ -127,25 +127,35 @@ class _Coverage:
         return out
 
 
-def _kept(plan: Plan, devices: Iterable[str]) -> dict[str, _Coverage]:
-    """Per parameter name, which of `devices` keep which of its rows."""
+def kept_by(
+    plan: Plan, devices: Iterable[str], stand_ins: Mapping[str, str] | None = None
+) -> dict[str, _Coverage]:
+    """Per parameter name, which of `devices` keep which of its rows; the rows of each device of
+    `stand_ins` are kept by the device it maps to (a copy of them: runtime/elastic/snapshots.py)."""
     boxes = state_boxes(plan)
     runs: dict[str, list] = {}
-    for device in devices:
+    keepers = [(d, d) for d in devices] + list((stand_ins or {}).items())
+    for device, keeper in keepers:
         for spec, box in boxes[device]:
             d = split_dim(spec)
-            runs.setdefault(spec.name, []).append((device, box.offsets[d], box.offsets[d] + box.sizes[d]))
+            runs.setdefault(spec.name, []).append((keeper, box.offsets[d], box.offsets[d] + box.sizes[d]))
     return {name: _Coverage.of(r) for name, r in runs.items()}
 
 
 def plan_transfers(
-    old: Plan, new: Plan, survivors: Iterable[str], *, prefixes: Sequence[str] = STATE_PREFIXES
+    old: Plan,
+    new: Plan,
+    survivors: Iterable[str],
+    *,
+    prefixes: Sequence[str] = STATE_PREFIXES,
+    stand_ins: Mapping[str, str] | None = None,
 ) -> Transfers:
-    """Which survivor sends which rows to which device of `new` (module docstring)."""
+    """Which survivor sends which rows to which device of `new` (module docstring). `stand_ins` maps
+    a lost device of `old` to the survivor that holds a copy of its rows (a peer snapshot)."""
     alive = [d for d in old.devices if d in set(survivors)]
     order = {d: i for i, d in enumerate(old.devices)}
     node_of = {d: parse_device(d)[0] for d in alive}
-    held = _kept(old, alive)
+    held = kept_by(old, alive, {d: k for d, k in (stand_ins or {}).items() if d not in alive and k in alive})
     nobody = _Coverage([], [], set())
     load = dict.fromkeys(alive, 0)
     moves: list[Transfer] = []
@@ -228,10 +238,12 @@ def exchange(
     rank_of: Mapping[str, int],
     group=None,
     round_bytes: int = ROUND_BYTES,
+    device: torch.device | str | None = None,
 ) -> int:
     """Run the transfers that concern device `me`: copy what it holds itself, send what others need,
     receive into `wanted` (module docstring). `rank_of` maps a device to its rank in `group` (every
-    survivor must be in it). Returns the bytes this rank received from others."""
+    survivor must be in it); what is sent goes from `device` (where the backend wants it: a copy in
+    host memory goes to the GPU first under NCCL). Returns the bytes this rank received from others."""
     received = 0
     for batch in _rounds(transfers.moves, round_bytes):
         ops, landing = [], []
@@ -241,7 +253,8 @@ def exchange(
                     wanted.rows(move.rows).copy_(held.rows(move.rows))
                 continue
             if move.source == me:
-                buffer = held.rows(move.rows).contiguous()
+                buffer = held.rows(move.rows)
+                buffer = (buffer if device is None else buffer.to(device)).contiguous()
                 ops.append(dist.P2POp(dist.isend, buffer, _peer(rank_of[move.target], group), group))
             elif move.target == me:
                 view = wanted.rows(move.rows)
@@ -285,15 +298,19 @@ def fetch_state(
     group=None,
     round_bytes: int = ROUND_BYTES,
     device: torch.device | str = "cpu",
+    stand_ins: Mapping[str, str] | None = None,
+    transfers: Transfers | None = None,
 ) -> tuple[dict[tuple[str, tuple[int, ...]], torch.Tensor], Transfers, int]:
     """The state device `me` keeps under `new` (its boxes of every master and moment, keyed by (name,
     offsets) as `runtime.state.restore_training_state` takes them; empty for a survivor the new plan
     leaves out), filled from the survivors' `held_pieces` (each survivor passes its own: the
     `runtime.state.state_pieces` of its trainer under `old`). Every survivor calls it together, in
     `group` (`rank_of` gives each survivor's rank there). Raises `MissingRows` on every survivor,
-    before any message, when some rows are held by none. Returns the tensors, the transfers and the
-    bytes this rank received."""
-    transfers = plan_transfers(old, new, survivors)
+    before any message, when some rows are held by none. `stand_ins`: as `plan_transfers`, the
+    stand-in passing the copy among its `held_pieces`; `transfers`, when given, is that answer
+    already computed. Returns the tensors, the transfers and the bytes this rank received."""
+    if transfers is None:
+        transfers = plan_transfers(old, new, survivors, stand_ins=stand_ins)
     if not transfers.complete:
         raise MissingRows(transfers)
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -311,6 +328,7 @@ def fetch_state(
         rank_of=rank_of,
         group=group,
         round_bytes=round_bytes,
+        device=device,
     )
     return tensors, transfers, received
 

@@ -111,6 +111,9 @@ class RunConfig:
     # failure restarts the round from the newest checkpoint.
     recovery: str = "in-process"
     sharding: tuple[str, ...] = ("none",)  # the optimizer layouts the plans may use (solver.solve)
+    # In-process recovery: every this many steps the workers copy the state only one of them keeps to
+    # a peer (runtime/elastic/snapshots.py), and a loss of such state rolls back to that copy; 0: never.
+    peer_snapshot_every: int = 0
 
     def solve(self, nodes: tuple[NodeSpec, ...]) -> Plan:
         """The plan for these nodes' GPUs on the run's device kind and links (`solver.solve`);

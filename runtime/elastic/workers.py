@@ -230,6 +230,7 @@ class Workers:
         survivor, no plan fits them, or some rows of the new plan's state are held by none of them:
         `runtime.elastic.peers.plan_transfers`, which every survivor would otherwise find itself)."""
         from runtime.elastic.peers import plan_transfers
+        from runtime.elastic.snapshots import buddies, needed
         from runtime.elastic.supervisor import _say
 
         cfg = self.sup.config
@@ -249,13 +250,25 @@ class Workers:
             except ElastorError as e:
                 why = f"no plan fits the survivors ({str(e).rstrip('.')})"
             wall = time.perf_counter() - started
+        source = "peers"
         if plan is not None and not (transfers := plan_transfers(current, plan, survivors)).complete:
-            first = transfers.missing[0][1]
-            why = (
-                f"{len(transfers.missing)} run(s) of rows of the new plan's state are held by no survivor "
-                f"(the first: rows [{first.start}, {first.stop}) of {first.name}, "
-                f"{current.optimizer.sharding} optimizer state)"
-            )
+            # Rows only a lost worker kept: its peer snapshot's keeper stands in for it, if it survived.
+            keepers = buddies(current) if cfg.peer_snapshot_every and needed(current) else {}
+            stand_ins = {d: keepers[d] for d in lost if keepers.get(d) in survivors}
+            if keepers and plan_transfers(current, plan, survivors, stand_ins=stand_ins).complete:
+                source = "peer snapshot"
+            else:
+                first = transfers.missing[0][1]
+                why = (
+                    f"{len(transfers.missing)} run(s) of rows of the new plan's state are held by no "
+                    f"survivor (the first: rows [{first.start}, {first.stop}) of {first.name}, "
+                    f"{current.optimizer.sharding} optimizer state)"
+                    + (
+                        ", and the keeper of the lost worker's peer snapshot was lost too"
+                        if keepers
+                        else "; peer snapshots are off (--peer-snapshot-every 0)"
+                    )
+                )
         metrics = MetricsWriter(cfg.metrics)
         try:
             if why is not None:
@@ -269,6 +282,7 @@ class Workers:
                 lost=[],
                 cause="worker",
                 path="in-process",
+                source=source,
                 time_s=detected_s,
                 failed_since_s=failed_s,
             )
