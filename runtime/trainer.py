@@ -57,8 +57,10 @@ class Trainer:
         seed: int = 0,
         source=None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        at_commit=None,
     ):
         self.plan, self.ctx, self.optim, self.seed = plan, ctx, optim, seed
+        self.at_commit = at_commit  # injected `commit:` faults (runtime/elastic/faults.py), or None
         self.groups = ProcessGroups(plan, timeout_s=timeout_s)
         device = ctx.device_name
         pi, si = plan.placement(device)
@@ -123,6 +125,8 @@ class Trainer:
         self.awaiting_commit = True  # until the totals are known: an in-process recovery may finish it
         with progress.current.waiting():
             dist.all_reduce(totals)
+            if self.at_commit is not None:
+                self.at_commit(self.step + 1)
         return self.commit(totals, start)
 
     def commit(self, totals: torch.Tensor, start: float | None = None) -> StepResult:

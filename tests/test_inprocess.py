@@ -63,6 +63,24 @@ def test_a_lost_worker_is_recovered_in_process_and_matches_an_uninterrupted_run(
     _assert_matches_reference(tmp_path, records, steps)
 
 
+def test_a_failure_inside_the_commit_all_reduce_is_finished_with_a_peers_totals(tmp_path, profile_path):  # noqa: F811
+    """n1:0 dies inside step 5's commit all-reduce: the next device (n1:1) misses the totals while
+    the others complete step 5. The commit check finishes step 5 on n1:1 with a peer's totals, so
+    every survivor goes on from step 5, and the run equals an uninterrupted one."""
+    steps = 8
+    done = _run(tmp_path, profile_path, "2,2", steps, "--inject-failure=commit:n1:0@5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    first = Plan.from_json(next(r["plan"] for r in records if r.get("event") == "replanned"))
+    assert first.devices.index("n1:1") == first.devices.index("n1:0") + 1
+    restored = next(r for r in records if r.get("event") == "restored")
+    assert restored["path"] == "in-process" and restored["step"] == 5, restored
+    logs = "".join(p.read_text() for p in (tmp_path / "metrics-logs").glob("*.log"))
+    assert "n1:1: finishing step 5 with a peer's totals" in logs, logs[-3000:]
+    assert [r.path for r in recoveries(records)] == ["in-process"]
+    _assert_matches_reference(tmp_path, records, steps)
+
+
 @pytest.fixture(scope="module")
 def bf16_profile(tmp_path_factory) -> Path:
     """A bf16 profile: ZeRO-1 pays in 16-bit, so the solver takes it."""

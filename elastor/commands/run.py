@@ -162,10 +162,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--inject-failure",
         action="append",
         default=[],
-        metavar="[hang:|host:]DEVICE@STEP",
+        metavar="[hang:|host:|commit:]DEVICE@STEP",
         help="SIGKILL the worker playing DEVICE when training reaches STEP; hang:DEVICE@STEP freezes it "
-        "(SIGSTOP), host:DEVICE@STEP takes its whole node down (repeatable; a script: each failure is "
-        "armed once the ones before it have fired or are due no later)",
+        "(SIGSTOP), host:DEVICE@STEP takes its whole node down, commit:DEVICE@STEP kills it inside step "
+        "STEP's commit all-reduce, which the next device then misses (repeatable; a script: each failure "
+        "is armed once the ones before it have fired or are due no later)",
     )
     p.add_argument(
         "--inject-recovery",

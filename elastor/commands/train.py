@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.checkpointing import CheckpointHook, reconcile_schedule, resume
     from runtime.data import open_source
     from runtime.distributed import init_distributed
-    from runtime.elastic import inprocess, progress
+    from runtime.elastic import faults, inprocess, progress
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
     from runtime.optim import OptimConfig
@@ -205,10 +205,19 @@ def run(args: argparse.Namespace) -> int:
         grad_clip=args.grad_clip,
     )
 
-    def build(plan: Plan, ctx) -> Trainer:
-        return Trainer(plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s)
-
     recovery = inprocess.Recovery.from_env(os.environ, ctx.backend, args.timeout_s)
+    injected = faults.decode(os.environ.get(faults.ENV_FAILURES, ""))
+
+    def build(plan: Plan, ctx) -> Trainer:
+        fault = None
+        if recovery is not None:  # `commit:` faults test the in-process path's commit check
+            fault = faults.at_commit(
+                list(plan.devices), ctx.device_name, injected, Path(args.metrics), recovery.aborted
+            )
+        return Trainer(
+            plan, ctx, optim=optim, seed=args.seed, source=source, timeout_s=args.timeout_s, at_commit=fault
+        )
+
     snapshots = None
     if recovery is not None and args.peer_snapshot_every:
         from runtime.elastic.snapshots import PeerSnapshots

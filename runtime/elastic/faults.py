@@ -5,7 +5,13 @@ after step S completes, or at start-up when it resumes at step S: a failure duri
 more kinds test the control plane: `hang:D@S` freezes that worker (it SIGSTOPs itself, as a GPU that
 stops answering leaves its process: the supervisors' hang detection must find it), and `host:D@S`
 takes down D's whole node (the worker SIGKILLs its supervisor, whose torchrun and workers die with
-it: a lost host, which the others find by its heartbeat).
+it: a lost host, which the others find by its heartbeat). `commit:D@S` kills D inside step S's
+commit all-reduce (runtime/trainer.py) after it has contributed, with the state that leaves made
+deterministic: D SIGKILLs itself as soon as its all-reduce returns, and the next device of the plan
+in rank order acts as a rank whose all-reduce had not delivered the totals when the failure struck
+(it holds them back and waits in the step until its communication is aborted, then fails as on a
+lost peer), while the others complete the step. The in-process recovery must then finish that step
+on the rank that missed its totals (`runtime.elastic.inprocess.Recovery._agree`).
 Failures form a script, in the order given: one is armed once every failure listed before it has
 fired or is due no later than it. So `n1:0@6 n0:1@4` kills n1:0 at step 6 and then n0:1 when the
 survivors resume from the checkpoint of step 4, during the recovery. Before
@@ -19,6 +25,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +34,8 @@ from costmodel.errors import ElastorError
 
 ENV_FAILURES = "ELASTOR_INJECT_FAILURES"  # pending failures handed to the workers of a round
 ENV_SUPERVISOR = "ELASTOR_SUPERVISOR_PID"  # the supervisor a `host:` failure takes down
-KINDS = ("kill", "hang", "host")
+KINDS = ("kill", "hang", "host", "commit")
+HOLD_TIMEOUT_S = 120.0  # how long a `commit:` fault's next device waits for the abort
 
 
 @dataclass(frozen=True, order=True)
@@ -41,14 +49,14 @@ class Fault:
         kind, sep, rest = text.partition(":")
         if text.count(":") >= 2 and kind not in KINDS[1:]:
             raise ElastorError(
-                f"{flag} {text!r}: {kind!r} is not a kind of failure; [hang:|host:]DEVICE@STEP, like "
-                "hang:n1:3@20 (no kind: the worker is killed)."
+                f"{flag} {text!r}: {kind!r} is not a kind of failure; [hang:|host:|commit:]DEVICE@STEP, "
+                "like hang:n1:3@20 (no kind: the worker is killed)."
             )
         if kind not in KINDS[1:]:
             kind, rest = "kill", text
         device, sep, step = rest.partition("@")
         if not sep or not step.isdigit():
-            raise ElastorError(f"{flag} {text!r} is not [hang:|host:]DEVICE@STEP, like n1:3@20.")
+            raise ElastorError(f"{flag} {text!r} is not [hang:|host:|commit:]DEVICE@STEP, like n1:3@20.")
         parse_device(device)
         return cls(step=int(step), device=device, kind=kind)
 
@@ -92,10 +100,41 @@ def armed(failures: tuple[Fault, ...], fired_: list[tuple[Fault, float]]) -> lis
     return out
 
 
-def maybe_fail(device: str, step: int, pending: list[Fault], metrics_path: Path) -> None:
+def at_commit(
+    devices: list[str], me: str, pending: list[Fault], metrics_path: Path, aborted
+) -> Callable[[int], None] | None:
+    """The `commit:` faults' part on device `me` of a plan with `devices`: a function the trainer
+    calls once a step's commit all-reduce has returned (with the step's number), or None. The dying
+    device SIGKILLs itself there; the next one waits until `aborted` (a threading.Event: the watch
+    of runtime/elastic/inprocess.py has aborted its communication) and raises a peer failure."""
+    faults = [f for f in pending if f.kind == "commit" and f.device in devices]
+    if not faults:
+        return None
+
+    def fault(step: int) -> None:
+        for f in faults:
+            if f.step != step:
+                continue
+            if f.device == me:
+                maybe_fail(me, step, [f], metrics_path, kinds=("commit",))
+            after = devices[(devices.index(f.device) + 1) % len(devices)]
+            if after == me and after != f.device:
+                import torch.distributed as dist
+
+                if not aborted.wait(HOLD_TIMEOUT_S):
+                    raise ElastorError(f"{f}: no abort came within {HOLD_TIMEOUT_S:.0f} s")
+                raise dist.DistError(f"injected: step {step}'s totals were held back when {f.device} died")
+
+    return fault
+
+
+def maybe_fail(
+    device: str, step: int, pending: list[Fault], metrics_path: Path, *, kinds=("kill", "hang", "host")
+) -> None:
     """Fail as a fault of `device` due at `step` says, if there is one (called by workers): SIGKILL
-    this process, SIGSTOP it, or SIGKILL its supervisor and then this process."""
-    due = [f for f in pending if f.device == device and f.step == step]
+    this process, SIGSTOP it, or SIGKILL its supervisor and then this process (`commit:` faults fire
+    inside the step instead, `at_commit`)."""
+    due = [f for f in pending if f.device == device and f.step == step and f.kind in kinds]
     if not due:
         return
     kind = due[0].kind
