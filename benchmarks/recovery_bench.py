@@ -5,9 +5,11 @@
     python benchmarks/recovery_bench.py --paths 5        # a killed worker: in-process vs restart, 5 runs each
 
 `--paths N`: gpt-tiny on the simulated 2+2 cluster, the worker of n1:1 SIGKILLed after step 5,
-N runs of each recovery path alternated (`--recovery in-process`, then `--recovery restart`), the
-median of each phase and of the total (failure to the first resumed step) per path and their ratio.
-Writes benchmarks/results/recovery_paths.json.
+N runs of each recovery path alternated (`--recovery in-process`, then `--recovery restart`, then
+the in-process path of a bf16 ZeRO-1 run whose lost slice comes back from its peer snapshot, taken
+every 4 steps), the median of each phase, of the total (failure to the first resumed step) and of
+the steps redone per path, and the ratio of the first two. Writes
+benchmarks/results/recovery_paths.json.
 
 Each scenario is one `elastor run --cluster 1,1,1` of gpt-tiny (the repository's CPU profile) that
 injects one failure at step 8 (runtime/elastic/faults.py) into a node of the first plan other than
@@ -106,15 +108,18 @@ def _run(folder: Path, steps: int, *flags: str, cluster: str = "1,1,1") -> dict:
         raise SystemExit(
             f"{' '.join(flags)}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
         )
-    found = recoveries(read_metrics(folder / "ckpt" / "metrics.jsonl"))
+    records = read_metrics(folder / "ckpt" / "metrics.jsonl")
+    found = recoveries(records)
     if len(found) != 1:
         raise SystemExit(f"{' '.join(flags)}: expected one recovery, found {len(found)}")
     r = found[0]
+    failed = next(x["step"] for x in records if x.get("event") == "failure_injected")
     return {
         "path": r.path,
         "phases_s": r.phases_s,
         "total_s": r.total_s,
         "devices": [r.devices_before, r.devices_after],
+        "redone_steps": failed - r.step,  # done before the failure and again after it
         "wall_s": time.monotonic() - started,
     }
 
@@ -161,17 +166,27 @@ def main() -> None:
     print(f"wrote {out.relative_to(REPO)}")
 
 
+SNAPSHOT_PATH = "in-process, ZeRO-1 snapshot"
+
+
 def compare_paths(repeats: int, steps: int) -> None:
-    """A killed worker on the 2+2 cluster, recovered in-process and by a restart, alternately."""
-    runs: dict[str, list[dict]] = {"in-process": [], "restart": []}
+    """A killed worker on the 2+2 cluster, recovered in-process and by a restart, alternately; and
+    a killed ZeRO-1 worker (bf16) whose slice comes back from its peer snapshot (every 4 steps)."""
+    runs: dict[str, list[dict]] = {"in-process": [], "restart": [], SNAPSHOT_PATH: []}
     with tempfile.TemporaryDirectory(prefix="elastor-recovery-") as tmp:
+        bf16 = Path(tmp) / "bf16.json"
+        profile = [sys.executable, "-m", "elastor", "profile", "--model=gpt-tiny", "--device=cpu"]
+        profile += ["--seq-len=32", "--micro-batch-size=1,2", "--tp-degrees=1,2", "--dtype=bfloat16"]
+        subprocess.run([*profile, f"--out={bf16}"], cwd=REPO, check=True, capture_output=True)
         for i in range(repeats):
-            for path in runs:
+            for k, path in enumerate(runs):
                 print(f"{path} {i + 1}/{repeats} ...", flush=True)
-                flags = (f"--recovery={path}", "--inject-failure=n1:1@5")
-                found = _run(Path(tmp) / f"{path}-{i}", steps, *flags, cluster="2,2")
-                if found["path"] != path:
-                    raise SystemExit(f"--recovery {path} recovered by the {found['path']} path")
+                flags = [f"--recovery={path.split(',')[0]}", "--inject-failure=n1:1@5"]
+                if path == SNAPSHOT_PATH:
+                    flags += [f"--profile={bf16}", "--sharding=zero1", "--peer-snapshot-every=4"]
+                found = _run(Path(tmp) / f"{i}-{k}", steps, *flags, cluster="2,2")
+                if found["path"] != path.split(",")[0]:
+                    raise SystemExit(f"{path} recovered by the {found['path']} path")
                 runs[path].append(found)
     phases = ("detect", "rendezvous", "plan", "restart", "load", "re-form", "transfer", "first step")
     medians = {
@@ -179,12 +194,20 @@ def compare_paths(repeats: int, steps: int) -> None:
         | {"total": statistics.median(r["total_s"] for r in found)}
         for path, found in runs.items()
     }
-    rows = [("path", *(f"{p} s" for p in phases), "total s (median)", "min", "max")]
+    rows = [("path", *(f"{p} s" for p in phases), "total s (median)", "min", "max", "steps redone")]
     for path, found in runs.items():
         totals = [r["total_s"] for r in found]
         cells = (f"{medians[path][p]:.2f}" if any(p in r["phases_s"] for r in found) else "-" for p in phases)
+        redone = statistics.median(r["redone_steps"] for r in found)
         rows.append(
-            (path, *cells, f"{medians[path]['total']:.2f}", f"{min(totals):.2f}", f"{max(totals):.2f}")
+            (
+                path,
+                *cells,
+                f"{medians[path]['total']:.2f}",
+                f"{min(totals):.2f}",
+                f"{max(totals):.2f}",
+                f"{redone:g}",
+            )
         )
     print(format_table(rows))
     ratio = medians["in-process"]["total"] / medians["restart"]["total"]

@@ -117,6 +117,50 @@ def test_a_lost_zero1_slice_rolls_back_to_its_peer_snapshot_exactly(tmp_path, bf
     assert check["loss_max_rel_diff"] == 0.0 and check["param_max_abs_diff"] == 0.0, check
 
 
+SNAPSHOT_TRIALS = 6
+
+
+@pytest.mark.slow  # -m slow: about 50 s a trial
+def test_sigkill_of_a_zero1_worker_at_random_moments_rolls_back_exactly(tmp_path, bf16_profile):
+    """SIGKILL one worker of a ZeRO-1 run with peer snapshots every 4 steps at random moments: every
+    run recovers in-process from the snapshots, reading no checkpoint, and equals bit for bit the run
+    switched from the first plan to the second at the step it rolled back to."""
+    rng = random.Random(23)
+    steps = 24
+    for trial in range(SNAPSHOT_TRIALS):
+        tmp = tmp_path / f"trial-{trial}"
+        tmp.mkdir()
+        command = run_command(tmp, bf16_profile, "2,2", steps, "--sharding=zero1", "--peer-snapshot-every=4")
+        with open(tmp / "out.txt", "w") as out:
+            run = subprocess.Popen(command, env=run_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            # after the snapshot of step 4: the reference switches plans at a saved step
+            victim, phase = _kill_a_worker(tmp, rng, after_step=rng.randint(5, steps - 8))
+            code = run.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+        assert code == 0, (tmp / "out.txt").read_text()[-3000:]
+        records = read_metrics(tmp / "metrics.jsonl")
+        found = recoveries(records)
+        assert [r.path for r in found] == ["in-process"], (victim, phase, format_recoveries(found))
+        restored = next(r for r in records if r.get("event") == "restored")
+        assert restored["checkpoint_files_read"] == 0 and restored["source"] == "peer snapshot", restored
+        # the newest snapshot, or the one before while the newest was still being exchanged
+        assert restored["step"] % 4 == 0 and 0 <= restored["rolled_back_steps"] <= 2 * 4 + 1, restored
+        plans = [Plan.from_json(r["plan"]) for r in records if r.get("event") == "replanned"]
+        reference = _switched_reference(tmp / "reference", plans, restored["step"], steps)
+        check = compare_runs(records, read_metrics(reference / "metrics.jsonl"), tmp / "ckpt", reference)
+        assert check["steps_match"], (victim, phase, check)
+        assert check["loss_max_rel_diff"] == 0.0 and check["param_max_abs_diff"] == 0.0, (
+            victim,
+            phase,
+            check,
+        )
+        print(f"trial {trial}: {victim} in {phase}, rolled back {restored['rolled_back_steps']} step(s)")
+
+
 def _switched_reference(out: Path, plans: list[Plan], switch_step: int, steps: int) -> Path:
     """Train plans[0] to `switch_step` under torchrun, save, and resume under plans[1] to `steps`:
     the uninterrupted run of an exact rollback to `switch_step`. Returns its checkpoint directory."""
