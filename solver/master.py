@@ -236,6 +236,7 @@ class Master:
         self.units = np.zeros((len(ts), 0), dtype=np.int64)
         self.patterns = [] if single_node else self._patterns()
         self._packed: dict[tuple[int, ...], bool] = {}  # _packs, by runs largest first
+        self._answers: dict[tuple, tuple] = {}  # solve_at's settled answers, by what decides them
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
@@ -474,6 +475,17 @@ class Master:
         ):
             return cp_model.INFEASIBLE, None, None, None
         live = self._undominated(k, live)
+        # Within tau a template is only its capacity: bounds whose undominated templates have the
+        # same capacities ask the same question (the staircase and its bisections meet them again).
+        key = (tuple(live), k[live].tobytes(), cap, minimise)
+        if key not in self._answers:
+            answer = self._model_at(k, live, cap, time_limit_s, minimise)
+            if answer[0] not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
+                return answer  # not settled within the time limit: not kept
+            self._answers[key] = answer
+        return self._answers[key]
+
+    def _model_at(self, k: np.ndarray, live: list[int], cap: float, time_limit_s: float, minimise: bool):
         model = cp_model.CpModel()
         n = {i: model.NewIntVar(0, self.copies[i], f"n{i}") for i in live}
         model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)
