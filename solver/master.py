@@ -60,6 +60,7 @@ from costmodel.estimate import SyncCost, plan_sync_s
 from solver.templates import Template, packing_matrix
 
 UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
+SAMPLE_EVERY = 16  # Master.least_overhead evaluates its bound at every this many candidates first
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,10 @@ class Master:
         pipelines. Its sync is at least template j's at P (sync grows with pipelines, and the plan's
         hide window is at most j's), and its optimizer step at least O_j. The bound is the least
         over the j that can cover N.
+
+        The bound does not increase with tau (every k_t grows with it), so where it is equal at two
+        sampled bounds it is that value at every bound between them: it is computed at every
+        SAMPLE_EVERY-th bound and then only inside the intervals where it changes (same values).
         """
         order = np.argsort(self.W, kind="stable")
         ordered = [self.templates[i] for i in order]
@@ -291,20 +296,33 @@ class Master:
         A, M, p, opt = self.A[order], self.M[order], self.p[order], self.O[order]
         gpus_each = np.array([t.num_gpus for t in ordered], dtype=float)
         gpus = sum(self.capacities)
-        least = np.full(len(taus), np.inf)
-        for lo in range(0, len(taus), 2048):  # chunks keep the [taus x templates] block small
-            tau = taus[lo : lo + 2048, None]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                k = np.floor((tau - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
-            k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
-            k = np.where(k >= p, k, 0)
-            most = np.maximum.accumulate(k, axis=1)  # K_j
-            per_gpu = np.maximum.accumulate(k / gpus_each, axis=1)  # R_j
-            pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), self.p_max + 1).astype(np.int64)
-            pipelines = np.maximum(pipelines, self.p_min)
-            over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))] + opt
-            covers = (pipelines <= self.p_max) & (k > 0) & (gpus * per_gpu >= self.N)
-            least[lo : lo + 2048] = np.where(covers, over, np.inf).min(axis=1)
+
+        def at(bounds: np.ndarray) -> np.ndarray:
+            least = np.full(len(bounds), np.inf)
+            for lo in range(0, len(bounds), 2048):  # chunks keep the [taus x templates] block small
+                tau = bounds[lo : lo + 2048, None]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    k = np.floor((tau - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
+                k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
+                k = np.where(k >= p, k, 0)
+                most = np.maximum.accumulate(k, axis=1)  # K_j
+                per_gpu = np.maximum.accumulate(k / gpus_each, axis=1)  # R_j
+                pipelines = np.where(most > 0, -(-self.N // np.maximum(most, 1)), self.p_max + 1)
+                pipelines = np.maximum(pipelines.astype(np.int64), self.p_min)
+                over = sync[np.minimum(pipelines, self.p_max) - 1, np.arange(len(order))] + opt
+                covers = (pipelines <= self.p_max) & (k > 0) & (gpus * per_gpu >= self.N)
+                least[lo : lo + 2048] = np.where(covers, over, np.inf).min(axis=1)
+            return least
+
+        n = len(taus)
+        sampled = np.unique(np.r_[np.arange(0, n, SAMPLE_EVERY), n - 1]) if n else np.array([], np.int64)
+        values = at(taus[sampled])
+        least = values[np.searchsorted(sampled, np.arange(n))]  # the next sample's: exact where equal
+        changes = np.flatnonzero(values[:-1] != values[1:])
+        inside = [np.arange(sampled[i] + 1, sampled[i + 1]) for i in changes]
+        if inside:
+            exact = np.concatenate(inside)
+            least[exact] = at(taus[exact])
         return least
 
     # ---- one template repeated: quick answers ------------------------------------------------------
