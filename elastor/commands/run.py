@@ -138,7 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", *SHARDING),
         default="none",
         help="optimizer state of every round's plan: sharded over each bucket's holders (zero1: a lost "
-        "GPU's slice then exists nowhere else, so its recovery restarts from the checkpoint), not (none; "
+        "GPU's slice then exists only in its peer snapshot, see --peer-snapshot-every), not (none; "
         "default), or whichever is faster (auto)",
     )
     p.add_argument(
