@@ -69,12 +69,22 @@ def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
     return launch(run_command(tmp, profile, cluster, steps, *flags), timeout=RUN_TIMEOUT_S)
 
 
+# The uninterrupted runs made so far in this session, by reference plan and steps: tests whose runs
+# share both compare against one (each is a few seconds of the time budget of make test).
+_REFERENCES: dict[tuple[str, int], Path] = {}
+
+
 def _reference(tmp: Path, records, steps: int) -> Path:
-    """The same training in one process, without failures; returns its checkpoint directory."""
+    """The same training in one process, without failures; returns its checkpoint directory (its
+    metrics beside it, with the suffix .jsonl)."""
     first = Plan.from_json(next(r["plan"] for r in records if r.get("event") == "replanned"))
     whole = {"layers": [0, first.model.num_layers], "devices": ["n0:0"]}
     pipeline = {"num_microbatches": GLOBAL_BATCH // first.micro_batch_size, "stages": [whole]}
-    write_json(tmp / "reference-plan.json", {**first.to_json(), "pipelines": [pipeline]})
+    reference_plan = {**first.to_json(), "pipelines": [pipeline]}
+    key = (json.dumps(reference_plan, sort_keys=True), steps)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    write_json(tmp / "reference-plan.json", reference_plan)
     done = launch(
         [
             sys.executable,
@@ -90,6 +100,7 @@ def _reference(tmp: Path, records, steps: int) -> Path:
         timeout=RUN_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
+    _REFERENCES[key] = tmp / "reference"
     return tmp / "reference"
 
 
@@ -99,8 +110,9 @@ def _events(records) -> list[str]:
 
 
 def _assert_matches_reference(tmp: Path, records, steps: int) -> None:
-    reference = read_metrics(_reference(tmp, records, steps).with_suffix(".jsonl"))
-    check = compare_runs(records, reference, tmp / "ckpt", tmp / "reference")
+    reference_dir = _reference(tmp, records, steps)
+    reference = read_metrics(reference_dir.with_suffix(".jsonl"))
+    check = compare_runs(records, reference, tmp / "ckpt", reference_dir)
     assert check["steps_match"], "a step of the elastic run has no loss"
     assert check["loss_max_rel_diff"] <= 1e-5, check
     assert check["param_max_abs_diff"] <= 1e-5, check
