@@ -300,6 +300,23 @@ def test_injected_faults_name_their_kind_and_round_trip():
     assert faults.decode(faults.encode([hang, host])) == [hang, host]
     with pytest.raises(ElastorError, match="'freeze' is not a kind of failure"):
         Fault.parse("freeze:n1:3@20", "--inject-failure")
+    assert Fault.parse("commit:n1:0@5", "f") == Fault(step=5, device="n1:0", kind="commit")
+
+
+def test_a_commit_fault_fires_inside_the_step_only_and_needs_the_in_process_recovery(tmp_path, capsys):
+    """`commit:` faults are not fired by the step-boundary check (the trainer's hook fires them), and
+    `elastor run` refuses them where no in-process recovery would ever call that hook."""
+    fault = Fault.parse("commit:n1:0@5", "f")
+    faults.maybe_fail("n1:0", 5, [fault], tmp_path / "metrics.jsonl")  # would SIGKILL this process
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert faults.at_commit(["n0:0", "n0:1"], "n0:0", [fault], tmp_path / "m", None) is None  # not in plan
+    from elastor.cli import main
+
+    code = main(
+        ["run", "--cluster=2", "--profile=profiles/gpt-tiny-cpu.json", "--global-batch-size=8",
+         "--steps=4", f"--ckpt-dir={tmp_path}", "--recovery=restart", "--inject-failure=commit:n0:1@2"]
+    )  # fmt: skip
+    assert code == 2 and "needs --recovery in-process" in capsys.readouterr().err
 
 
 @linux_only

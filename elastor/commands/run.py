@@ -225,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
     )
     failures = [Fault.parse(f, "--inject-failure") for f in args.inject_failure]
     recoveries = [Fault.parse(f, "--inject-recovery") for f in args.inject_recovery]
+    if args.recovery != "in-process" and any(f.kind == "commit" for f in failures):
+        raise ElastorError(
+            "--inject-failure commit:DEVICE@STEP tests the in-process recovery's commit check; it needs "
+            "--recovery in-process."
+        )
     if args.rdzv_backend == "etcd" and not args.rdzv_endpoint:
         raise ElastorError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT of the etcd cluster.")
     if args.node is None:

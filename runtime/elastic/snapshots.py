@@ -167,23 +167,19 @@ class PeerSnapshots:
         return time.perf_counter() - started
 
     def _exchange(self, snapshot: Snapshot) -> None:
-        group = self.group
+        group, rank = self.group, self.plan.devices.index  # the snapshot group spans the job
         try:
-            rank = {d: i for i, d in enumerate(self.plan.devices)}  # the snapshot group spans the job
             ops = [
-                dist.P2POp(dist.isend, snapshot.own, rank[self.buddy], group),
-                dist.P2POp(dist.irecv, snapshot.ward, rank[self.ward_device], group),
+                dist.P2POp(dist.isend, snapshot.own, rank(self.buddy), group),
+                dist.P2POp(dist.irecv, snapshot.ward, rank(self.ward_device), group),
             ]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
             snapshot.ward_done = True
-            done = torch.ones(1)
-            dist.all_reduce(done, group=group)
+            dist.all_reduce(torch.ones(1), group=group)
             snapshot.agreed = True
         except Exception:  # a peer failed: the recovery reads the flags of what did arrive
             pass
-        finally:
-            del group
 
     def _settle(self) -> None:
         """Wait for the exchange in flight; an agreed snapshot replaces the previous one."""
