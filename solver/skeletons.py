@@ -29,18 +29,21 @@ solver block (`complete: false`).
 """
 
 import bisect
-import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from costmodel.estimate import steady_period_s
 from costmodel.profile import ModelProfile
+from solver.memo import IdentityMemo
 from solver.stages import StageTable, exchanges_s, sync_terms
 from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
 LEFTOVER_RUNS = 4  # runs of a pipeline made of several nodes' leftover GPUs
 DEEP = 2  # pipelines of one TP group per whole node go up to this many times max_runs
+# Splitters (with the skeletons they have split) by stage tables: the searches of one solve (the
+# node-drop seed's, the main one's) and the clusters of a sweep ask for the same skeletons again.
+_SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=64)
 
 
 def most_runs(max_runs: int) -> int:
@@ -66,6 +69,7 @@ class _Kind:
     optimizer: list[float]
     fits: list[int]  # micro-batches in flight that fit
     lo: int  # fewest blocks
+    reach: list[int]  # by micro-batches in flight f: the most blocks that fit with f (lo - 1: none)
 
 
 class Splitter:
@@ -84,18 +88,28 @@ class Splitter:
                 "last": ([L - 1 - b for b in range(n + 1)], [L] * (n + 1), 0),
             }
             for kind, (starts, ends, lo) in shapes.items():
+                fits = [tab.max_in_flight[s][e] if e > s else -1 for s, e in zip(starts, ends, strict=True)]
                 self.kinds[tp, kind] = _Kind(
                     starts,
                     ends,
                     [tab.time_s[s][e] if e > s else 0.0 for s, e in zip(starts, ends, strict=True)],
                     [tab.params[s][e] for s, e in zip(starts, ends, strict=True)],
                     [tab.optimizer_s[s][e] for s, e in zip(starts, ends, strict=True)],
-                    [tab.max_in_flight[s][e] if e > s else -1 for s, e in zip(starts, ends, strict=True)],
+                    fits,
                     lo,
+                    [_reach(fits, lo, n, f) for f in range(n + 3)],
                 )
+        self._known: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Template]] = {}
 
     def templates(self, tps: Sequence[int], runs: Sequence[int]) -> list[Template]:
-        """Templates of the skeleton: stage TP degrees front to back, and the run of each stage."""
+        """Templates of the skeleton: stage TP degrees front to back, and the run of each stage
+        (each skeleton built once per splitter: the searches of one solve share it, `splitter`)."""
+        key = (tuple(tps), tuple(runs))
+        if key not in self._known:
+            self._known[key] = self._split(key[0], key[1])
+        return self._known[key]
+
+    def _split(self, tps: tuple[int, ...], runs: tuple[int, ...]) -> list[Template]:
         p = len(tps)
         if p == 1:
             tab = self.tables[tps[0]]
@@ -111,25 +125,25 @@ class Splitter:
             self.kinds[tp, "first" if s == 0 else ("last" if s == p - 1 else "middle")]
             for s, tp in enumerate(tps)
         ]
-        mem = []
-        for s, k in enumerate(kinds):
-            f, b = p - s, k.lo
-            while b <= self.n and k.fits[b] >= f:
-                b += 1
-            if b - 1 < k.lo:
-                return []
-            mem.append(b - 1)
+        mem = [k.reach[p - s] for s, k in enumerate(kinds)]
+        if any(top < k.lo for k, top in zip(kinds, mem, strict=True)):
+            return []
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
             return []
-        times = sorted({k.time[b] for k, top in zip(kinds, mem, strict=True) for b in range(k.lo, top + 1)})
+        tops: dict[int, int] = {}  # per distinct kind (by identity), the most blocks any of its stages takes
+        for k, top in zip(kinds, mem, strict=True):
+            tops[id(k)] = max(top, tops.get(id(k), -1))
+        distinct = {id(k): k for k in kinds}
+        times = sorted({t for i, k in distinct.items() for t in k.time[k.lo : tops[i] + 1]})
 
         def caps(limit: float) -> list[int] | None:
-            out = []
-            for k, top in zip(kinds, mem, strict=True):
-                c = min(top, bisect.bisect_right(k.time, limit, lo=k.lo, hi=top + 1) - 1)
-                if c < k.lo:
-                    return None
-                out.append(c)
+            cap = {
+                i: bisect.bisect_right(k.time, limit, lo=k.lo, hi=tops[i] + 1) - 1
+                for i, k in distinct.items()
+            }
+            if any(c < distinct[i].lo for i, c in cap.items()):
+                return None
+            out = [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
             return out if sum(out) >= self.n else None
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
@@ -149,25 +163,56 @@ class Splitter:
         return found
 
     def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
-        """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree."""
+        """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree.
+
+        Within one TP degree a block costs the same time anywhere, so each next block goes to the
+        stage that holds the fewest parameters with it (the earlier stage of equals): the blocks a
+        degree takes are its stages' `left` smallest (parameters after the block, stage) keys. A
+        stage's keys grow with its blocks, so they are found at once: the least parameter level
+        that admits `left` keys (`_level`), every key below it, then the keys at it front to back.
+        """
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
         for tp in sorted(set(tps), key=lambda t: self.kinds[t, "middle"].time[1]):
-            # Within one TP degree a block costs the same time anywhere: give each next one to the
-            # stage that holds the fewest parameters with it.
-            heap = [
-                (kinds[s].params[blocks[s] + 1], s)
-                for s, t in enumerate(tps)
-                if t == tp and blocks[s] < caps[s]
-            ]
-            heapq.heapify(heap)
-            while left and heap:
-                _, s = heapq.heappop(heap)
-                blocks[s] += 1
-                left -= 1
-                if blocks[s] < caps[s]:
-                    heapq.heappush(heap, (kinds[s].params[blocks[s] + 1], s))
+            if not left:
+                break
+            members = [s for s, t in enumerate(tps) if t == tp and blocks[s] < caps[s]]
+            room = sum(caps[s] - blocks[s] for s in members)
+            if room <= left:  # every stage of the degree fills to its cap
+                for s in members:
+                    blocks[s] = caps[s]
+                left -= room
+                continue
+            level = self._level([(kinds[s].params, blocks[s] + 1, caps[s] + 1) for s in members], left)
+            for s in members:  # every key below the level
+                taken = bisect.bisect_left(kinds[s].params, level, blocks[s] + 1, caps[s] + 1) - blocks[s] - 1
+                blocks[s] += taken
+                left -= taken
+            for s in members:  # the keys at the level, front to back
+                at = bisect.bisect_right(kinds[s].params, level, blocks[s] + 1, caps[s] + 1) - blocks[s] - 1
+                taken = min(left, at)
+                blocks[s] += taken
+                left -= taken
         return blocks
+
+    @staticmethod
+    def _level(keys: list[tuple[list[int], int, int]], count: int) -> int:
+        """The least value v such that at least `count` of the keys (each a sorted list's slice
+        [lo, hi)) are <= v."""
+        groups: dict[tuple[int, int, int], int] = {}
+        for params, lo, hi in keys:  # stages of one kind, blocks and cap count alike
+            groups[id(params), lo, hi] = groups.get((id(params), lo, hi), 0) + 1
+        arrays = {id(params): params for params, _, _ in keys}
+        values = sorted({v for (i, lo, hi) in groups for v in arrays[i][lo:hi]})
+
+        def enough(j: int) -> bool:
+            v = values[j]
+            return (
+                sum(m * (bisect.bisect_right(arrays[i], v, lo, hi) - lo) for (i, lo, hi), m in groups.items())
+                >= count
+            )
+
+        return values[bisect.bisect_left(range(len(values)), True, key=enough)]
 
     def _stages(self, tps, kinds: list[_Kind], blocks: list[int]) -> list[tuple[int, int, int]]:
         stages, start = [], 0
@@ -195,6 +240,14 @@ class Splitter:
             max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
             *sync_terms(self.tables, stages, runs),
         )
+
+
+def _reach(fits: list[int], lo: int, n: int, in_flight: int) -> int:
+    """The most blocks, from `lo` up, that a stage holds with `in_flight` micro-batches (lo - 1: none)."""
+    b = lo
+    while b <= n and fits[b] >= in_flight:
+        b += 1
+    return b - 1
 
 
 def _one_micro_batch_s(time: list[float], p2p: list[float]) -> float:
@@ -291,7 +344,9 @@ def generate_skeletal(
     single_node: bool,
     max_runs: int,
 ) -> list[Template]:
-    splitter = Splitter(tables, num_layers)
+    splitter = _SPLITTERS.get(
+        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
+    )
     packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
