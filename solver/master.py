@@ -463,16 +463,14 @@ class Master:
         idx = np.array(live)
         kk, p, w, o, f = k[idx], self.p[idx], self.W[idx], self.O[idx], self.footprint[idx]
         last = self.L[idx]
-        keep = []
-        for a, i in enumerate(idx):
-            better = (kk >= kk[a]) & (p[a] >= p) & (w[a] >= w) & (o[a] >= o)
-            better &= self.packs_into[f, f[a]] & (last[a] >= last)
-            same = (kk == kk[a]) & (p[a] == p) & (w[a] == w) & (o[a] == o) & (f[a] == f)
-            same &= last[a] == last
-            better[a:] &= ~same[a:]  # of equal ones keep the first
-            if not better.any():
-                keep.append(int(i))
-        return keep
+        # better[b, a]: template b is no worse than template a in everything; same[b, a]: identical
+        better = (kk[:, None] >= kk[None, :]) & self.packs_into[f[:, None], f[None, :]]
+        same = (kk[:, None] == kk[None, :]) & (f[:, None] == f[None, :])
+        for x in (p, w, o, last):
+            better &= x[:, None] <= x[None, :]
+            same &= x[:, None] == x[None, :]
+        better &= ~np.tril(same)  # of equal ones the first is kept (and none beats itself)
+        return [int(i) for i in idx[~better.any(axis=0)]]
 
     # ---- the CP-SAT model at fixed tau -------------------------------------------------------------
     def solve_at(self, tau: float, cap: float, time_limit_s: float, minimise: bool):
@@ -564,6 +562,9 @@ class Master:
         solver.parameters.num_workers = 1
         solver.parameters.cp_model_presolve = False
         solver.parameters.linearization_level = 2
+        # Probing (fixing each Boolean in turn to learn implications) costs more than it prunes on
+        # these small models: CP-SAT's time on the solver benchmark's cases fell by 0.6-0.8x without it.
+        solver.parameters.cp_model_probing_level = 0
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, None, None, None

@@ -60,6 +60,7 @@ import numpy as np
 from solver.memo import IdentityMemo
 from solver.stages import StageTable, sync_terms
 
+PRUNE_BLOCK = 256  # templates `prune` compares at once with the ones kept before them
 _FEWEST: IdentityMemo[int] = IdentityMemo(limit=256)  # fewest_gpus, by stage tables (solver.memo)
 
 
@@ -271,16 +272,25 @@ def prune(templates: list[Template]) -> list[Template]:
     gpus = np.array([sum(f) for f in prints])[F]
     runs = np.array([len(f) for f in prints])[F]
     order = np.lexsort((np.arange(n), -runs, gpus, last, P, opt, W, M, A))  # last key first
-    kept = np.empty(n, dtype=np.int64)
-    count = 0
-    for i in order:
-        k = kept[:count]
-        beaten = (A[k] <= A[i]) & (M[k] <= M[i]) & (W[k] <= W[i]) & (opt[k] <= opt[i]) & (P[k] <= P[i])
-        beaten &= (last[k] <= last[i]) & packs[F[k], F[i]]
-        if not beaten.any():
-            kept[count] = i
-            count += 1
-    return [templates[i] for i in sorted(kept[:count].tolist())]
+    keys = (A, M, W, opt, P, last)
+    kept = np.empty(0, dtype=np.int64)
+    for lo in range(0, n, PRUNE_BLOCK):
+        # A block at a time: the templates kept before it rule out what they beat at once ...
+        block = order[lo : lo + PRUNE_BLOCK]
+        if len(kept):
+            beaten = packs[F[kept][:, None], F[block][None, :]]
+            for x in keys:
+                beaten &= x[kept][:, None] <= x[block][None, :]
+            block = block[~beaten.any(axis=0)]
+        # ... then the rest of the block in order, against the ones it keeps itself.
+        inside = packs[F[block][:, None], F[block][None, :]]
+        for x in keys:
+            inside &= x[block][:, None] <= x[block][None, :]
+        mine = np.zeros(len(block), dtype=bool)
+        for j in range(len(block)):
+            mine[j] = not (inside[:j, j] & mine[:j]).any()
+        kept = np.concatenate([kept, block[mine]])
+    return [templates[i] for i in sorted(kept.tolist())]
 
 
 def fewest_gpus(tables: dict[int, StageTable], num_layers: int, limit: int) -> int:
