@@ -29,13 +29,14 @@ solver block (`complete: false`).
 """
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from costmodel.estimate import steady_period_s
+from costmodel.estimate import buckets_of, hide_window_s, steady_period_s
 from costmodel.profile import ModelProfile
 from solver.memo import IdentityMemo
-from solver.stages import StageTable, exchanges_s, sync_terms
+from solver.stages import StageTable, sync_terms
 from solver.templates import Packer, Template
 
 MAX_EXTRA_THRESHOLDS = 6  # thresholds above the least M tried per skeleton for a smaller A
@@ -70,6 +71,7 @@ class _Kind:
     fits: list[int]  # micro-batches in flight that fit
     lo: int  # fewest blocks
     reach: list[int]  # by micro-batches in flight f: the most blocks that fit with f (lo - 1: none)
+    buckets: list[int]  # gradient buckets of the stage's parameters
 
 
 class Splitter:
@@ -98,8 +100,19 @@ class Splitter:
                     fits,
                     lo,
                     [_reach(fits, lo, n, f) for f in range(n + 3)],
+                    [
+                        buckets_of(tab.params[s][e], tab.bucket_bytes)
+                        for s, e in zip(starts, ends, strict=True)
+                    ],
                 )
+        # exchange[front TP, back TP, across nodes][end of the front stage] (`StageTable.exchange_s`)
+        self.exchange = {
+            (tp, back, inter): tab.exchange_s[back, inter]
+            for tp, tab in tables.items()
+            for back, inter in tab.exchange_s
+        }
         self._known: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Template]] = {}
+        self._by_degree: dict[tuple[int, ...], list[list[int]]] = {}
 
     def templates(self, tps: Sequence[int], runs: Sequence[int]) -> list[Template]:
         """Templates of the skeleton: stage TP degrees front to back, and the run of each stage
@@ -130,36 +143,50 @@ class Splitter:
             return []
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
             return []
-        tops: dict[int, int] = {}  # per distinct kind (by identity), the most blocks any of its stages takes
+        # Per distinct kind (by identity): its stages' memory caps, sorted, and their prefix sums,
+        # so that whether a time threshold's caps cover the blocks takes one bisection per kind.
+        distinct: dict[int, _Kind] = {}
+        held: dict[int, list[int]] = {}
         for k, top in zip(kinds, mem, strict=True):
-            tops[id(k)] = max(top, tops.get(id(k), -1))
-        distinct = {id(k): k for k in kinds}
-        times = sorted({t for i, k in distinct.items() for t in k.time[k.lo : tops[i] + 1]})
+            distinct[id(k)] = k
+            held.setdefault(id(k), []).append(top)
+        for tops in held.values():
+            tops.sort()
+        sums = {i: list(itertools.accumulate(tops, initial=0)) for i, tops in held.items()}
+        times = sorted({t for i, k in distinct.items() for t in k.time[k.lo : held[i][-1] + 1]})
 
-        def caps(limit: float) -> list[int] | None:
-            cap = {
-                i: bisect.bisect_right(k.time, limit, lo=k.lo, hi=tops[i] + 1) - 1
-                for i, k in distinct.items()
-            }
-            if any(c < distinct[i].lo for i, c in cap.items()):
-                return None
-            out = [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
-            return out if sum(out) >= self.n else None
+        def cover(limit: float) -> dict[int, int] | None:
+            """Each kind's cap under the time threshold, if the stages' caps cover the blocks."""
+            cap, total = {}, 0
+            for i, k in distinct.items():
+                c = bisect.bisect_right(k.time, limit, lo=k.lo, hi=held[i][-1] + 1) - 1
+                if c < k.lo:
+                    return None
+                cap[i] = c
+                below = bisect.bisect_right(held[i], c)  # stages whose memory caps them lower
+                total += sums[i][below] + c * (len(held[i]) - below)
+            return cap if total >= self.n else None
+
+        def caps(limit: float) -> list[int]:
+            cap = cover(limit)
+            return [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
         lo = bisect.bisect_left(
-            range(len(times)), True, hi=len(times) - 1, key=lambda i: caps(times[i]) is not None
+            range(len(times)), True, hi=len(times) - 1, key=lambda i: cover(times[i]) is not None
         )
         first = self._template(tps, runs, kinds, self._blocks(tps, kinds, caps(times[lo])))
         # the smallest A at any M: only its A is needed
-        least = self._pipeline_s(tps, runs, kinds, self._blocks(tps, kinds, caps(times[-1])))
+        _, time, p2p = self._shape(tps, runs, kinds, self._blocks(tps, kinds, caps(times[-1])))
+        least = _one_micro_batch_s(time, p2p)
         found = [first]
         for limit in times[lo + 1 : lo + 1 + MAX_EXTRA_THRESHOLDS]:
             if (p - 1) * (limit - first.bottleneck_s) >= first.pipeline_s - least:
                 break  # a larger M can no longer pay for itself with a smaller A
             blocks = self._blocks(tps, kinds, caps(limit))
-            if self._pipeline_s(tps, runs, kinds, blocks) < found[-1].pipeline_s:
-                found.append(self._template(tps, runs, kinds, blocks))
+            shape = self._shape(tps, runs, kinds, blocks)
+            if _one_micro_batch_s(shape[1], shape[2]) < found[-1].pipeline_s:
+                found.append(self._template(tps, runs, kinds, blocks, shape))
         return found
 
     def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
@@ -173,10 +200,10 @@ class Splitter:
         """
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
-        for tp in sorted(set(tps), key=lambda t: self.kinds[t, "middle"].time[1]):
+        for stages in self._degrees(tps):
             if not left:
                 break
-            members = [s for s, t in enumerate(tps) if t == tp and blocks[s] < caps[s]]
+            members = [s for s in stages if blocks[s] < caps[s]]
             room = sum(caps[s] - blocks[s] for s in members)
             if room <= left:  # every stage of the degree fills to its cap
                 for s in members:
@@ -194,6 +221,13 @@ class Splitter:
                 blocks[s] += taken
                 left -= taken
         return blocks
+
+    def _degrees(self, tps: tuple[int, ...]) -> list[list[int]]:
+        """The stages of each TP degree of the skeleton, the degree of the cheapest block first."""
+        if tps not in self._by_degree:
+            order = sorted(set(tps), key=lambda t: self.kinds[t, "middle"].time[1])
+            self._by_degree[tps] = [[s for s, t in enumerate(tps) if t == tp] for tp in order]
+        return self._by_degree[tps]
 
     @staticmethod
     def _level(keys: list[tuple[list[int], int, int]], count: int) -> int:
@@ -214,23 +248,22 @@ class Splitter:
 
         return values[bisect.bisect_left(range(len(values)), True, key=enough)]
 
-    def _stages(self, tps, kinds: list[_Kind], blocks: list[int]) -> list[tuple[int, int, int]]:
-        stages, start = [], 0
+    def _shape(self, tps, runs, kinds: list[_Kind], blocks: list[int]):
+        """The split's stages (start, end, tp), each stage's time and each boundary's exchange."""
+        stages, time, start, last = [], [], 0, len(tps) - 1
         for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
-            end = k.end[b] if s == 0 else start + b + (1 if s == len(tps) - 1 else 0)
+            end = k.end[b] if s == 0 else start + b + (s == last)
             stages.append((start, end, tps[s]))
+            time.append(k.time[b])
             start = end
-        return stages
+        p2p = [self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]][stages[s][1]] for s in range(last)]
+        return stages, time, p2p
 
-    def _pipeline_s(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> float:
-        """A of the split: one micro-batch through every stage and each boundary both ways."""
-        time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
-        return _one_micro_batch_s(time, exchanges_s(self.tables, self._stages(tps, kinds, blocks), runs))
-
-    def _template(self, tps, runs, kinds: list[_Kind], blocks: list[int]) -> Template:
-        stages = self._stages(tps, kinds, blocks)
-        time = [k.time[b] for k, b in zip(kinds, blocks, strict=True)]
-        p2p = exchanges_s(self.tables, stages, runs)
+    def _template(self, tps, runs, kinds: list[_Kind], blocks: list[int], shape=None) -> Template:
+        stages, time, p2p = shape or self._shape(tps, runs, kinds, blocks)
+        # what `solver.stages.sync_terms` computes, from the tables this splitter already indexed
+        bwd = [self.tables[tp].bwd_s[a][e] for a, e, tp in stages]
+        buckets = [k.buckets[b] for k, b in zip(kinds, blocks, strict=True)]
         return Template(
             tuple(stages),
             tuple(runs),
@@ -238,7 +271,8 @@ class Splitter:
             steady_period_s(time, p2p),
             max(k.params[b] for k, b in zip(kinds, blocks, strict=True)),
             max(k.optimizer[b] for k, b in zip(kinds, blocks, strict=True)),
-            *sync_terms(self.tables, stages, runs),
+            hide_window_s(bwd, p2p, buckets),
+            self.tables[tps[0]].params[0][1],
         )
 
 
