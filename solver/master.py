@@ -252,13 +252,18 @@ class Master:
         with np.errstate(divide="ignore", invalid="ignore"):
             k = np.where(self.M > 0, np.floor((tau - self.A) / np.where(self.M > 0, self.M, 1)) + 1, self.N)
         k = np.clip(k, 0, self.N).astype(np.int64)
-        # Settle floating-point edges with the very expression the candidates were made of.
-        for i in np.flatnonzero(k > 0):
-            t = self.templates[i]
-            while k[i] > 0 and t.time_s(int(k[i])) > tau:
-                k[i] -= 1
-            while k[i] < self.N and t.time_s(int(k[i]) + 1) <= tau:
-                k[i] += 1
+        # Settle floating-point edges with the very expression the candidates were made of
+        # (`Template.time_s`: A + (m - 1) M, the same operations in the same order).
+        while True:
+            over = (k > 0) & (self.A + (k - 1) * self.M > tau)
+            if not over.any():
+                break
+            k -= over
+        while True:
+            under = (k > 0) & (k < self.N) & (self.A + k * self.M <= tau)
+            if not under.any():
+                break
+            k += under
         return np.where(k >= self.p, k, 0)
 
     def candidates(self, upper_s: float) -> np.ndarray:
