@@ -44,7 +44,9 @@ LEFTOVER_RUNS = 4  # runs of a pipeline made of several nodes' leftover GPUs
 DEEP = 2  # pipelines of one TP group per whole node go up to this many times max_runs
 # Splitters (with the skeletons they have split) by stage tables: the searches of one solve (the
 # node-drop seed's, the main one's) and the clusters of a sweep ask for the same skeletons again.
-_SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=64)
+# One solve uses a splitter per recompute mode and micro-batch size; the 61-GPU llama2-70b case's
+# hold about 60 MB of templates, so the memo keeps few.
+_SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=16)
 
 
 def most_runs(max_runs: int) -> int:
