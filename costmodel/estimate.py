@@ -57,9 +57,11 @@ for the planner's tables); under ZeRO-1 the all-gather buffers of two buckets; p
 flight under 1F1B (stage s of p holds min(p - s, m)) the activations its layers keep (in the
 stage's recompute mode and sequence split) plus the boundary tensors the schedule holds for backward
 (the output it sent, the input it received where no layer keeps it already); the pieces of one
-exchange in flight; and the largest transient working memory of one of its layers (the profiler
-measures it; a recomputed block's rerun forward adds its activations). A plan fits when this peak
-is at most the device memory less MEMORY_HEADROOM.
+exchange in flight; the largest transient working memory of one of its layers (the profiler
+measures it; a recomputed block's rerun forward adds its activations); and on GPUs the buffers of
+the NCCL communicators it belongs to and of its point-to-point peers (`costmodel.communicators`:
+exact for a plan, `planned_bytes` reserved in the planner's tables). A plan fits when this peak is
+at most the device memory less MEMORY_HEADROOM.
 
 Sequence parallelism and recomputation change a stage's cost from what the profile measured (TP
 shards without either): activations follow `costmodel.analytic`'s formulas for the mode (the
@@ -76,7 +78,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from costmodel import analytic, flops, schedule
+from costmodel import analytic, communicators, flops, schedule
 from costmodel.boundary import busiest_shares
 from costmodel.cluster import ClusterSpec, parse_device
 from costmodel.comm import Link, all_gather_s, all_reduce_s, link, p2p_s, reduce_scatter_s
@@ -147,6 +149,8 @@ class StageCost:
     # ZeRO-1 plans with at least this many pipelines), in buckets of `bucket_bytes`.
     sharded_over: int = 1
     bucket_bytes: int = BUCKET_BYTES
+    # NCCL buffers a planned stage reserves (`communicators.planned_bytes`); a plan's are exact.
+    comm_bytes: int = 0
 
     @property
     def fwd_s(self) -> float:
@@ -171,11 +175,14 @@ class StageCost:
             self.bucket_bytes,
         )
 
-    def memory_bytes(self, in_flight: float, state: StateBytes | None = None) -> dict[str, int]:
+    def memory_bytes(
+        self, in_flight: float, state: StateBytes | None = None, comm: int | None = None
+    ) -> dict[str, int]:
         """Peak memory by kind when `in_flight` micro-batches' activations are held (a fraction for
         an interleaved stage: its peak of live chunks over one micro-batch's). The optimizer
-        side (masters, main gradients, moments, ZeRO-1 gather buffers) is `state` where the plan is
-        known (`costmodel.sharding.state_bytes`), else this stage's bound."""
+        side (masters, main gradients, moments, ZeRO-1 gather buffers) is `state` and the NCCL
+        buffers `comm` where the plan is known (`costmodel.sharding.state_bytes`,
+        `costmodel.communicators.device_bytes`), else this stage's bound and reserve."""
         state = self.state_bytes() if state is None else state
         return {
             "params": self.param_count * self.dtype_bytes + state.masters,
@@ -187,6 +194,7 @@ class StageCost:
             "sync_buffers": state.gather,
             "exchange_buffers": 2 * (self.boundary_bytes + self.input_bytes),  # one exchange's pieces
             "transient": self.transient_bytes,
+            "communicators": self.comm_bytes if comm is None else comm,
         }
 
 
@@ -350,6 +358,7 @@ class Estimate:
                 "grad+opt MiB",
                 "activ MiB",
                 "buffers MiB",
+                "nccl MiB",
                 "peak / usable",
             )
         ]
@@ -376,6 +385,7 @@ class Estimate:
                     f"{(mem['grads'] + mem['optimizer']) / mib:.1f}",
                     f"{mem['activations'] / mib:.1f}",
                     f"{(mem['sync_buffers'] + mem['exchange_buffers']) / mib:.1f}",
+                    f"{mem['communicators'] / mib:.0f}",
                     f"{s.peak_memory_bytes / self.usable_memory_bytes:.0%}",
                 )
             )
@@ -545,6 +555,7 @@ class CostModel:
         key = (start, end, tp, micro_batch_size)
         if key not in self._planned_cache:
             cost = self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
+            cost = replace(cost, comm_bytes=communicators.planned_bytes(self.cluster.device.kind, tp))
             if self.replicas > 1:
                 cost = replace(cost, sharded_over=self.replicas, bucket_bytes=self.optimizer.bucket_bytes)
                 kept = cost.state_bytes().masters / max(1, cost.param_count * FP32_BYTES)
@@ -642,6 +653,7 @@ class CostModel:
         P = len(plan.pipelines)
         layout = plan.optimizer
         states = state_bytes(plan, self.profile.bytes_per_param)
+        comms = communicators.device_bytes(plan, self.cluster.device.kind)
         priced = []  # per pipeline: stage costs, p2p, time, sync, hide window
         for pipe in plan.pipelines:
             costs = [self.stage_of(st, mbs) for st in pipe.stages]
@@ -676,6 +688,7 @@ class CostModel:
             m = pipe.num_microbatches
             for si, (st, cost) in enumerate(zip(pipe.stages, costs, strict=True)):
                 state = max((states[d] for d in st.devices), key=_total)
+                comm = max(comms[d] for d in st.devices)
                 kept = state.masters / max(1, cost.param_count * FP32_BYTES)
                 stages.append(
                     StagePrediction(
@@ -688,7 +701,7 @@ class CostModel:
                         sync_s=sync.exposed_s(hide),
                         sync_hidden_s=sync.hidden_s(hide),
                         optimizer_s=cost.optimizer_s * min(1.0, kept),
-                        memory=cost.memory_bytes(stage_in_flight(self, st, si, pipe, mbs), state),
+                        memory=cost.memory_bytes(stage_in_flight(self, st, si, pipe, mbs), state, comm),
                         chunks=st.chunks,
                     )
                 )

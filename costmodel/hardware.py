@@ -15,6 +15,9 @@ Sources:
   DGX reference designs: 25 and 50 GB/s per direction.
 - cpu: a placeholder for profiles measured on a CPU with gloo; `elastor profile --comm` replaces its
   links with measured values.
+- NCCL channels (`nccl_channels`, for `costmodel.communicators`): NCCL opens 32 channels between two
+  GPUs of an 8-GPU NVSwitch node of H100s (NVIDIA/nccl issue #1685: channels 00-31 per peer); the
+  A100 and H200 NVSwitch nodes are taken alike. gloo on a CPU keeps no per-channel device buffers: 0.
 """
 
 from dataclasses import asdict, dataclass
@@ -32,6 +35,7 @@ class DeviceKind:
     memory_bandwidth_gbps: float
     intra_node_gbps: float
     inter_node_gbps: float
+    nccl_channels: int = 0  # NCCL channels of a communicator (and per point-to-point peer) in a node
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -47,6 +51,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             memory_bandwidth_gbps=1555,
             intra_node_gbps=300,
             inter_node_gbps=25,
+            nccl_channels=32,
         ),
         DeviceKind(
             kind="A100-80GB",
@@ -55,6 +60,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             memory_bandwidth_gbps=2039,
             intra_node_gbps=300,
             inter_node_gbps=25,
+            nccl_channels=32,
         ),
         DeviceKind(
             kind="H100-80GB",
@@ -63,6 +69,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             memory_bandwidth_gbps=3350,
             intra_node_gbps=450,
             inter_node_gbps=50,
+            nccl_channels=32,
         ),
         DeviceKind(
             kind="H200-141GB",
@@ -71,6 +78,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             memory_bandwidth_gbps=4800,
             intra_node_gbps=450,
             inter_node_gbps=50,
+            nccl_channels=32,
         ),
         DeviceKind(
             kind="cpu",

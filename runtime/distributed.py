@@ -8,12 +8,14 @@ any rendezvous, so no rank waits for a peer that will never come.
 
 Process groups are objects held by `ProcessGroups`, never module globals. `new_group` is collective
 over the whole job, so every rank creates every group, in one order derived from the plan alone:
-first the TP group of each stage (pipelines in plan order, stages in order), then one group per
-gradient-sync bucket of `costmodel.layout.sync_buckets` (in its deterministic order); a rank set
-that occurs twice gets one group. Under ZeRO-1 on gloo each holder set also gets a private group for
-the ring reduce-scatter that `runtime.dist_optim` runs on a worker thread (`ring_group`): a group
-shared with the main thread's collectives (a stage's TP group is also the holder set of its
-replicated norm weights) could interleave the two threads' operations differently on its ranks.
+`costmodel.communicators.plan_groups`, first the TP group of each stage (pipelines in plan order,
+stages in order), then one group per gradient-sync bucket of `costmodel.layout.sync_buckets` (in its
+deterministic order); a rank set that occurs twice gets one group, a single rank none (the cost
+model counts each group's NCCL buffers on its ranks). Under ZeRO-1 on gloo each holder set also
+gets a private group for the ring reduce-scatter that `runtime.dist_optim` runs on a worker
+thread (`ring_group`): a group shared with the main thread's collectives (a stage's TP group is
+also the holder set of its replicated norm weights) could interleave the two threads' operations
+differently on its ranks.
 
 Failure bound: a rank that raises or is killed exits non-zero and its sockets close, so its gloo
 peers fail at once; torchrun polls its workers every 0.1 s and sends SIGTERM to the rest as soon as
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from costmodel.cluster import parse_device
+from costmodel.communicators import plan_groups
 from costmodel.errors import ElastorError
 from costmodel.layout import sync_buckets
 from costmodel.plan import Plan
@@ -139,12 +142,8 @@ class ProcessGroups:
         self.rank_of = {d: i for i, d in enumerate(plan.devices)}
         self._groups: dict[tuple[int, ...], object] = {}
         timeout = timedelta(seconds=timeout_s)
-        for pipe in plan.pipelines:
-            for stage in pipe.stages:
-                if stage.tp_degree > 1:
-                    self._create(stage.devices, timeout)
-        for holders in sync_buckets(plan):
-            self._create(holders, timeout)
+        for devices in plan_groups(plan):  # the groups whose NCCL buffers the cost model counts
+            self._create(devices, timeout)
         self._ring: dict[tuple[int, ...], object] = {}
         if plan.optimizer.sharding == "zero1" and dist.get_backend() == "gloo":
             for holders in sync_buckets(plan):

@@ -62,9 +62,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from costmodel import ClusterSpec, Plan
+from costmodel import ClusterSpec, Plan, communicators
 from costmodel.errors import ElastorError
-from costmodel.estimate import CostModel, stage_in_flight
+from costmodel.estimate import MEMORY_HEADROOM, CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
 from solver import baselines
@@ -88,6 +88,7 @@ from solver.templates import fewest_gpus
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
+NCCL_RESERVE_ROUNDS = 4  # searches with a growing NCCL reserve before giving up (`solve`)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
 
@@ -121,8 +122,6 @@ def solve(
     grid = grid or NO_PINS
     check_pins(profile, cluster, method, grid, recompute)
     sizes = usable_micro_batch_sizes(profile, global_batch_size, micro_batch_sizes)
-    best = None  # (step time, plan, info)
-    passes = {}
     plain = CostModel(profile, cluster)  # prices every pass's answer in its stages' own modes
 
     def report(line: str) -> None:
@@ -130,39 +129,68 @@ def solve(
         if elapsed > PROGRESS_AFTER_S:
             progress(f"[{elapsed:.1f} s] {line}")
 
-    for modes in recompute_groups(profile, cluster, global_batch_size, sizes, method, recompute, passes):
-        for mode in sharding_passes(profile, cluster, global_batch_size, sizes, modes, method, sharding):
-            mode = dataclasses.replace(mode, interleave=interleave)
-            upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
-            found = _solve_pass(
-                profile,
-                cluster,
-                global_batch_size,
-                method,
-                sizes,
-                time_limit_s,
-                limits,
-                mode,
-                upper,
-                grid,
-                progress=report if progress is not None else None,
-            )
-            if found is None:
-                passes[mode.name] = None if best is None else "no faster plan"
-                continue
-            plan, info = found
-            if recompute is None:
-                plan = relax_recompute(plain, plan)
-            estimate = plain.estimate(plan)
-            passes[mode.name] = round(estimate.step_time_s, 6)
-            if best is None or estimate.step_time_s < best[0]:
-                best = (estimate.step_time_s, dataclasses.replace(plan, predicted=estimate.to_json()), info)
-            if progress is not None and time.perf_counter() - started > PROGRESS_AFTER_S:
-                progress(
-                    f"[{time.perf_counter() - started:.1f} s] pass {mode.name}: "
-                    f"{estimate.step_time_s:.4f} s/step ({info['status']}, gap {info['gap']:.2%}); "
-                    f"best so far {best[0]:.4f} s/step"
+    def best_of_passes(planning: ClusterSpec) -> tuple[tuple | None, dict]:
+        """The fastest answer of every pass, searched on `planning` (the cluster, or its devices with
+        less memory) and priced on the cluster: (step time, plan, info, estimate) or None, and each
+        pass's step time."""
+        best, passes = None, {}
+        for modes in recompute_groups(profile, planning, global_batch_size, sizes, method, recompute, passes):
+            for mode in sharding_passes(profile, planning, global_batch_size, sizes, modes, method, sharding):
+                mode = dataclasses.replace(mode, interleave=interleave)
+                upper = best[0] if best else math.inf  # a later pass only needs to look for faster plans
+                found = _solve_pass(
+                    profile,
+                    planning,
+                    global_batch_size,
+                    method,
+                    sizes,
+                    time_limit_s,
+                    limits,
+                    mode,
+                    upper,
+                    grid,
+                    progress=report if progress is not None else None,
                 )
+                if found is None:
+                    passes[mode.name] = None if best is None else "no faster plan"
+                    continue
+                plan, info = found
+                if recompute is None:
+                    plan = relax_recompute(plain, plan)
+                estimate = plain.estimate(plan)
+                passes[mode.name] = round(estimate.step_time_s, 6)
+                if best is None or estimate.step_time_s < best[0]:
+                    predicted = dataclasses.replace(plan, predicted=estimate.to_json())
+                    best = (estimate.step_time_s, predicted, info, estimate)
+                if progress is not None and time.perf_counter() - started > PROGRESS_AFTER_S:
+                    progress(
+                        f"[{time.perf_counter() - started:.1f} s] pass {mode.name}: "
+                        f"{estimate.step_time_s:.4f} s/step ({info['status']}, gap {info['gap']:.2%}); "
+                        f"best so far {best[0]:.4f} s/step"
+                    )
+        return best, passes
+
+    # The planner reserves each stage's NCCL buffers for a plan whose pipelines cut alike
+    # (costmodel.communicators); where the answer's devices belong to more groups and it does not
+    # fit, the search runs again with the shortfall taken off every device's memory.
+    reserved = 0
+    for _ in range(NCCL_RESERVE_ROUNDS):
+        best, passes = best_of_passes(with_less_memory(cluster, reserved))
+        if best is None or best[3].fits:
+            break
+        estimate = best[3]
+        reserved += max(s.peak_memory_bytes for s in estimate.stages) - estimate.usable_memory_bytes
+    else:
+        raise ElastorError(
+            f"No plan fits once NCCL's communicator buffers are counted: the last one found needs "
+            f"{reserved / (1 << 30):.1f} GiB per device beyond the planner's reserve; add GPUs or "
+            "memory, or pin a grid (--method uniform)."
+        )
+    if best is None and reserved:
+        raise ElastorError(
+            f"No plan fits once NCCL's communicator buffers are counted: the plans that fit the "
+            f"planner's reserve need {reserved / (1 << 30):.1f} GiB more per device; add GPUs or memory."
+        )
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -172,10 +200,23 @@ def solve(
                 )
             )
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
-    _, plan, info = best
+    _, plan, info, _ = best
+    if reserved:
+        info["nccl_reserve_bytes"] = reserved  # beyond the planner's own (costmodel.communicators)
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
     return dataclasses.replace(plan, solver=info)
+
+
+def with_less_memory(cluster: ClusterSpec, reserved: int) -> ClusterSpec:
+    """`cluster` with `reserved` bytes less usable memory per device (the cost model keeps
+    MEMORY_HEADROOM of the rest free)."""
+    if not reserved:
+        return cluster
+    memory = cluster.device.memory_bytes - math.ceil(reserved / (1 - MEMORY_HEADROOM))
+    if memory < 1:
+        raise ElastorError(f"No plan fits on {cluster.device.kind} once NCCL's buffers are counted.")
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory))
 
 
 def recompute_groups(
@@ -374,6 +415,7 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
     fits in memory with the micro-batches 1F1B keeps in flight on it, beside the optimizer state its
     devices keep under the plan (`costmodel.sharding.state_bytes`): never slower, same memory bound."""
     states = state_bytes(plan, cm.profile.bytes_per_param)
+    comms = communicators.device_bytes(plan, cm.cluster.device.kind)
     pipelines = []
     for pipe in plan.pipelines:
         stages = []
@@ -382,7 +424,7 @@ def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
             for mode in RECOMPUTE_PASSES[: RECOMPUTE_PASSES.index(stage.recompute)]:
                 lighter = dataclasses.replace(stage, recompute=mode)
                 cost = cm.stage_of(lighter, plan.micro_batch_size)
-                peak = max(sum(cost.memory_bytes(held, states[d]).values()) for d in stage.devices)
+                peak = max(sum(cost.memory_bytes(held, states[d], comms[d]).values()) for d in stage.devices)
                 if peak <= cm.usable_memory_bytes:
                     stage = lighter
                     break

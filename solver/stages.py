@@ -120,6 +120,7 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         dtype_bytes=whole.dtype_bytes,
         sequence_parallel=whole.sequence_parallel,
         recompute=whole.recompute,
+        comm_bytes=whole.comm_bytes,
         row_numel=whole.row_numel,
         sharded_over=whole.sharded_over,
         bucket_bytes=whole.bucket_bytes,

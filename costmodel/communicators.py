@@ -1,0 +1,128 @@
+"""NCCL's communicator buffers: the device memory a plan's process groups and point-to-point peers take.
+
+NCCL keeps, per channel and per connection to a peer, a FIFO for each of its three protocols, at
+their documented defaults (NCCL user guide, environment variables: NCCL_BUFFSIZE 4 MiB for Simple;
+LL128 and LL at 4,915,200 and 524,288 bytes, the sizes NCCL derives from its thread and step
+counts): 9,633,792 bytes, allocated at the 2 MiB granularity of CUDA's virtual memory API, so
+10 MiB per connection (the allocation size NVIDIA/nccl issue #1685 reports per channel and peer on
+H100). Memory grows linearly with channels and with communicators; a ring keeps one receive
+connection per channel whatever the group's size (NVIDIA/nccl issue #986, NCCL's maintainer).
+
+So a rank pays, on a device kind with `nccl_channels` channels (costmodel.hardware):
+  - per communicator it belongs to (`plan_groups`, and the whole job's group when it has two ranks
+    or more): nccl_channels connections;
+  - per point-to-point peer (`p2p_peers`, on the whole job's communicator): nccl_channels
+    connections to a peer on its node, NET_CHANNELS_PER_PEER to one across nodes (NCCL's
+    NCCL_NCHANNELS_PER_NET_PEER default, NVIDIA/nccl issue #1424).
+Tree and NVLink-SHARP buffers (connected only where NCCL picks those algorithms), the CUDA context
+and cuBLAS workspaces stay in the cost model's MEMORY_HEADROOM. Groups of one rank make no
+communicator, and gloo (the cpu kind, and ZeRO-1's private ring groups, which exist on gloo only)
+keeps no per-channel device buffers.
+
+The runtime creates exactly `plan_groups` (runtime.distributed.ProcessGroups iterates it), and its
+point-to-point routes are `costmodel.boundary.routes`, which `p2p_peers` walks too; tests hold both.
+
+Planner: its stage tables are built before any plan exists, so a planned stage reserves
+`planned_bytes`: the job's communicator, its TP group, PLANNED_SYNC_GROUPS gradient-sync groups
+(a stage of a plan whose pipelines cut alike holds two: its shard's holders and, under TP, the
+replicated norm weights' holders) and two point-to-point peers on its node. A plan whose pipelines
+cut or shard differently puts a device in more groups; the solver then checks the exact count of
+the plan it found and, where it does not fit, searches again with the shortfall reserved
+(`solver.solve`).
+"""
+
+from costmodel.boundary import routes, stage_ranges
+from costmodel.cluster import parse_device
+from costmodel.hardware import DEVICE_KINDS
+from costmodel.layout import sync_buckets
+from costmodel.plan import Plan, Stage
+
+MIB = 1 << 20
+CONNECTION_BYTES = 10 * MIB  # one channel's connection: three protocols' FIFOs, rounded to 2 MiB
+NET_CHANNELS_PER_PEER = 2  # point-to-point channels to a peer on another node
+PLANNED_SYNC_GROUPS = 2
+PLANNED_P2P_PEERS = 2
+
+
+def channels(kind: str) -> int:
+    """NCCL channels per communicator on device kind `kind`; 0 where no NCCL buffers are modelled
+    (the cpu kind, and kinds outside the hardware table)."""
+    known = DEVICE_KINDS.get(kind)
+    return known.nccl_channels if known else 0
+
+
+def group_bytes(kind: str) -> int:
+    """What one communicator's ring buffers take on each of its ranks."""
+    return channels(kind) * CONNECTION_BYTES
+
+
+def peer_bytes(kind: str, inter_node: bool) -> int:
+    """What one point-to-point peer's connections take on a rank."""
+    if not channels(kind):
+        return 0
+    return (NET_CHANNELS_PER_PEER if inter_node else channels(kind)) * CONNECTION_BYTES
+
+
+def planned_bytes(kind: str, tp: int) -> int:
+    """A planned stage's reserve (module docstring): the job's group, its TP group, the gradient-sync
+    groups of a plan whose pipelines cut alike, and a peer on its node on each side."""
+    groups = 1 + (tp > 1) + PLANNED_SYNC_GROUPS
+    return groups * group_bytes(kind) + PLANNED_P2P_PEERS * peer_bytes(kind, inter_node=False)
+
+
+def plan_groups(plan: Plan) -> list[tuple[str, ...]]:
+    """Every process group of two or more devices that the runtime makes for `plan`, in its order
+    (devices in rank order, each rank set once): the TP group of each stage, pipelines and stages in
+    order, then the holders of each gradient-sync bucket (`costmodel.layout.sync_buckets`)."""
+    rank = {d: i for i, d in enumerate(plan.devices)}
+    seen: dict[tuple[str, ...], None] = {}
+    tp_groups = [st.devices for pipe in plan.pipelines for st in pipe.stages if st.tp_degree > 1]
+    for devices in [*tp_groups, *sync_buckets(plan)]:
+        ordered = tuple(sorted(devices, key=rank.__getitem__))
+        if len(ordered) > 1:
+            seen.setdefault(ordered)
+    return list(seen)
+
+
+def p2p_peers(plan: Plan) -> dict[str, set[str]]:
+    """Per device, the devices it sends to or receives from across its pipeline's boundaries
+    (forward and backward routes of `costmodel.boundary`; under interleaving also the wrap-around
+    from the last stage to the first)."""
+    peers: dict[str, set[str]] = {d: set() for d in plan.devices}
+    for pipe in plan.pipelines:
+        stages, S = pipe.stages, len(pipe.stages)
+        links = [(s, s + 1) for s in range(S - 1)]
+        if pipe.num_chunks > 1 and S > 1:
+            links.append((S - 1, 0))
+        for a, b in links:
+            for src, dst in _pairs(stages[a], stages[b], plan.seq_len):
+                if src != dst:
+                    peers[src].add(dst)
+                    peers[dst].add(src)
+    return peers
+
+
+def _pairs(front: Stage, back: Stage, seq_len: int):
+    """(sender, receiver) of every transfer across the front -> back boundary, both directions."""
+    front_ranges = stage_ranges(seq_len, front.tp_degree, front.sequence_parallel)
+    back_ranges = stage_ranges(seq_len, back.tp_degree, back.sequence_parallel)
+    for t in routes(front_ranges, back_ranges):  # activations forward
+        yield front.devices[t.src], back.devices[t.dst]
+    for t in routes(back_ranges, front_ranges):  # their gradients backward
+        yield back.devices[t.src], front.devices[t.dst]
+
+
+def device_bytes(plan: Plan, kind: str) -> dict[str, int]:
+    """Per device of `plan`, the bytes its NCCL communicators' buffers take on device kind `kind`."""
+    if not channels(kind):
+        return dict.fromkeys(plan.devices, 0)
+    per_group = group_bytes(kind)
+    count = dict.fromkeys(plan.devices, 1 if len(plan.devices) > 1 else 0)  # the whole job's group
+    for group in plan_groups(plan):
+        for device in group:
+            count[device] += 1
+    node = {d: parse_device(d)[0] for d in plan.devices}
+    return {
+        d: count[d] * per_group + sum(peer_bytes(kind, node[p] != node[d]) for p in peers)
+        for d, peers in p2p_peers(plan).items()
+    }
