@@ -23,9 +23,10 @@ The runtime creates exactly `plan_groups` (runtime.distributed.ProcessGroups ite
 point-to-point routes are `costmodel.boundary.routes`, which `p2p_peers` walks too; tests hold both.
 
 Planner: its stage tables are built before any plan exists, so a planned stage reserves
-`planned_bytes`: the job's communicator, its TP group, PLANNED_SYNC_GROUPS gradient-sync groups
-(a stage of a plan whose pipelines cut alike holds two: its shard's holders and, under TP, the
-replicated norm weights' holders) and two point-to-point peers on its node. A plan whose pipelines
+`planned_bytes`: the job's communicator, its TP group, the gradient-sync groups of a plan whose
+pipelines cut alike (its shard's holders and, under TP, the replicated norm weights' holders) and a
+point-to-point peer on its node for each neighbouring stage (none for a stage of the whole model,
+one for the first and the last). A plan whose pipelines
 cut or shard differently puts a device in more groups; the solver then checks the exact count of
 the plan it found and, where it does not fit, searches again with the shortfall reserved
 (`solver.solve`).
@@ -40,8 +41,7 @@ from costmodel.plan import Plan, Stage
 MIB = 1 << 20
 CONNECTION_BYTES = 10 * MIB  # one channel's connection: three protocols' FIFOs, rounded to 2 MiB
 NET_CHANNELS_PER_PEER = 2  # point-to-point channels to a peer on another node
-PLANNED_SYNC_GROUPS = 2
-PLANNED_P2P_PEERS = 2
+PLANNED_P2P_PEERS = 2  # a middle stage's neighbours
 
 
 def channels(kind: str) -> int:
@@ -63,11 +63,12 @@ def peer_bytes(kind: str, inter_node: bool) -> int:
     return (NET_CHANNELS_PER_PEER if inter_node else channels(kind)) * CONNECTION_BYTES
 
 
-def planned_bytes(kind: str, tp: int) -> int:
+def planned_bytes(kind: str, tp: int, peers: int = PLANNED_P2P_PEERS):
     """A planned stage's reserve (module docstring): the job's group, its TP group, the gradient-sync
-    groups of a plan whose pipelines cut alike, and a peer on its node on each side."""
-    groups = 1 + (tp > 1) + PLANNED_SYNC_GROUPS
-    return groups * group_bytes(kind) + PLANNED_P2P_PEERS * peer_bytes(kind, inter_node=False)
+    groups of a plan whose pipelines cut alike (its shard's holders, and under TP the replicated
+    weights' holders), and `peers` neighbouring stages on its node (an array works too)."""
+    groups = 1 + (tp > 1) + 1 + (tp > 1)  # the job's, the TP group, the sync groups
+    return groups * group_bytes(kind) + peers * peer_bytes(kind, inter_node=False)
 
 
 def plan_groups(plan: Plan) -> list[tuple[str, ...]]:

@@ -555,7 +555,9 @@ class CostModel:
         key = (start, end, tp, micro_batch_size)
         if key not in self._planned_cache:
             cost = self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
-            cost = replace(cost, comm_bytes=communicators.planned_bytes(self.cluster.device.kind, tp))
+            neighbours = (start > 0) + (end < self.model.num_layers)
+            kind = self.cluster.device.kind
+            cost = replace(cost, comm_bytes=communicators.planned_bytes(kind, tp, neighbours))
             if self.replicas > 1:
                 cost = replace(cost, sharded_over=self.replicas, bucket_bytes=self.optimizer.bucket_bytes)
                 kept = cost.state_bytes().masters / max(1, cost.param_count * FP32_BYTES)
@@ -762,6 +764,7 @@ def combine_chunks(chunks: list[StageCost]) -> StageCost:
         input_kept_bytes=0,
         output_kept_bytes=0,
         transient_bytes=max(c.transient_bytes for c in chunks),
+        comm_bytes=max(c.comm_bytes for c in chunks),
         boundary_bytes=max(c.boundary_bytes for c in chunks),
         input_bytes=max(c.input_bytes for c in chunks),
         optimizer_s=sum(c.optimizer_s for c in chunks),

@@ -88,7 +88,7 @@ from solver.templates import fewest_gpus
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
-NCCL_RESERVE_ROUNDS = 4  # searches with a growing NCCL reserve before giving up (`solve`)
+NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
 
@@ -170,27 +170,7 @@ def solve(
                     )
         return best, passes
 
-    # The planner reserves each stage's NCCL buffers for a plan whose pipelines cut alike
-    # (costmodel.communicators); where the answer's devices belong to more groups and it does not
-    # fit, the search runs again with the shortfall taken off every device's memory.
-    reserved = 0
-    for _ in range(NCCL_RESERVE_ROUNDS):
-        best, passes = best_of_passes(with_less_memory(cluster, reserved))
-        if best is None or best[3].fits:
-            break
-        estimate = best[3]
-        reserved += max(s.peak_memory_bytes for s in estimate.stages) - estimate.usable_memory_bytes
-    else:
-        raise ElastorError(
-            f"No plan fits once NCCL's communicator buffers are counted: the last one found needs "
-            f"{reserved / (1 << 30):.1f} GiB per device beyond the planner's reserve; add GPUs or "
-            "memory, or pin a grid (--method uniform)."
-        )
-    if best is None and reserved:
-        raise ElastorError(
-            f"No plan fits once NCCL's communicator buffers are counted: the plans that fit the "
-            f"planner's reserve need {reserved / (1 << 30):.1f} GiB more per device; add GPUs or memory."
-        )
+    best, passes, reserved = _within_nccl_buffers(best_of_passes, cluster)
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -208,14 +188,65 @@ def solve(
     return dataclasses.replace(plan, solver=info)
 
 
-def with_less_memory(cluster: ClusterSpec, reserved: int) -> ClusterSpec:
+def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, dict, int]:
+    """`search(cluster)`'s answer, or where it does not fit once its devices' NCCL buffers are
+    counted exactly, the fastest answer found with some bytes less memory per device that fits:
+    (answer, passes, bytes reserved).
+
+    The planner reserves each stage's buffers for a plan whose pipelines cut alike
+    (costmodel.communicators); an answer whose devices belong to more groups can need more. The
+    reserve then grows (by the answer's shortfall, at least doubling, from a quarter communicator)
+    until an answer fits or none is left, and is bisected (in steps of a quarter communicator)
+    between the last reserve whose answer did not fit and that one: a smaller reserve searches
+    more plans, so an answer that fits there is no slower. The fastest answer that fits wins.
+    """
+    best, passes = search(cluster)
+    if best is None or best[3].fits:
+        return best, passes, 0
+
+    def shortfall(answer) -> int:
+        estimate = answer[3]
+        return max(s.peak_memory_bytes for s in estimate.stages) - estimate.usable_memory_bytes
+
+    def attempt(reserved: int) -> tuple[tuple | None, dict]:
+        smaller = with_less_memory(cluster, reserved)
+        return search(smaller) if smaller is not None else (None, {})
+
+    step = max(1 << 20, communicators.group_bytes(cluster.device.kind) // 4)
+    low, high, found = 0, max(step, shortfall(best)), None
+    for _ in range(NCCL_RESERVE_ROUNDS):
+        best, passes = attempt(high)
+        if best is None:  # too much reserved: the answer lies below
+            break
+        if best[3].fits:
+            found = (best, passes, high)
+            break
+        low, high = high, max(high + shortfall(best), 2 * high)
+    while high - low > step:
+        middle = (low + high) // 2
+        best, passes = attempt(middle)
+        if best is not None and best[3].fits and (found is None or best[0] <= found[0][0]):
+            found = (best, passes, middle)
+        if best is None or best[3].fits:
+            high = middle
+        else:
+            low = middle
+    if found is None:
+        raise ElastorError(
+            "No plan fits once NCCL's communicator buffers are counted: the plans found need more than "
+            "the planner reserves for them; add GPUs or memory, or pin a grid (--method uniform)."
+        )
+    return found
+
+
+def with_less_memory(cluster: ClusterSpec, reserved: int) -> ClusterSpec | None:
     """`cluster` with `reserved` bytes less usable memory per device (the cost model keeps
-    MEMORY_HEADROOM of the rest free)."""
+    MEMORY_HEADROOM of the rest free); None when that leaves no memory."""
     if not reserved:
         return cluster
     memory = cluster.device.memory_bytes - math.ceil(reserved / (1 - MEMORY_HEADROOM))
     if memory < 1:
-        raise ElastorError(f"No plan fits on {cluster.device.kind} once NCCL's buffers are counted.")
+        return None
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory))
 
 

@@ -4,6 +4,7 @@ by the planner (or searched again for)."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 from dist_helpers import plan_json
 from test_runtime_parity import PLANS
@@ -15,6 +16,7 @@ from costmodel.estimate import CostModel
 from profiler.analytic import analytic_profile
 from runtime import distributed
 from runtime.pipeline import _links
+from solver.stages import stage_grid
 
 TINY = PRESETS["gpt-tiny"].to_json()
 H100 = "H100-80GB"
@@ -139,14 +141,24 @@ def test_every_estimate_holds_each_devices_buffers(name):
 
 
 def test_planned_stages_reserve_their_buffers():
-    """The planner's stage of TP t reserves the job's group, the TP group, two sync groups and two
-    peers on its node; nothing on the cpu kind."""
+    """The planner's stage of TP t reserves the job's group, the TP group, the sync groups of a plan
+    cut alike (one, two under TP) and a peer on its node per neighbouring stage; its stage table
+    the same per range; nothing on the cpu kind."""
     tiny = PRESETS["gpt-tiny"]
     profile = analytic_profile(tiny, device_kind=H100, micro_batch_sizes=[1], tp_degrees=[1, 2], seq_len=64)
     cm = CostModel(profile, ClusterSpec.parse("8", H100))
-    per_group = communicators.group_bytes(H100)
-    assert cm.planned(0, 3, 1, 1).memory_bytes(1)["communicators"] == 3 * per_group + 2 * per_group
-    assert cm.planned(0, 3, 2, 1).memory_bytes(1)["communicators"] == 4 * per_group + 2 * per_group
+    g = communicators.group_bytes(H100)
+
+    def reserved(start, end, tp):
+        return cm.planned(start, end, tp, 1).memory_bytes(1)["communicators"]
+
+    assert reserved(0, 6, 1) == 2 * g  # the whole model: no neighbour
+    assert reserved(0, 3, 1) == 2 * g + g  # the first stage: one
+    assert reserved(2, 4, 1) == 2 * g + 2 * g  # a middle stage: two
+    assert reserved(3, 6, 2) == 4 * g + g
+    grid = stage_grid(cm, 2, 1)
+    comm = np.broadcast_to(grid.memory_bytes(1)["communicators"], (7, 7))
+    assert all(comm[s, e] == reserved(s, e, 2) for s in range(6) for e in range(s + 1, 7))
     on_cpu = CostModel(
         analytic_profile(tiny, device_kind="cpu", micro_batch_sizes=[1], tp_degrees=[1], seq_len=64),
         ClusterSpec.parse("8", "cpu"),

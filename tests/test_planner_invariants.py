@@ -8,6 +8,10 @@ an exact search can only gain; the test holds the whole solver (passes, recomput
 ZeRO-1) to it end to end. A growth that makes an instance feasible is fine; one that makes a
 feasible instance infeasible fails.
 
+The same growths hold where NCCL's buffers count (a GPU device kind, memory for 3 to 9
+communicators beside the instance's): the planner reserves a plan cut alike's buffers and searches
+again where an answer needs more, so this checks that those searches keep the order.
+
 On the preset models, where the skeleton family is searched instead, the same is checked where
 it matters most: the H200's larger memory must not plan slower than the plan chosen for H100 priced
 on H200 (a family that depends on memory can search shallower pipelines and miss it).
@@ -22,12 +26,14 @@ from test_solver_optimality import random_instance
 import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.cluster import NodeSpec
-from costmodel.estimate import CostModel
+from costmodel.communicators import group_bytes
+from costmodel.estimate import MEMORY_HEADROOM, CostModel
 from costmodel.plan import SHARDING
 from profiler.analytic import analytic_profile
 from solver.core import EXACT_GPUS
 
 NUM_CASES = 200
+GPU = "H100-80GB"
 RELATIVE = 1e-9
 
 
@@ -64,6 +70,29 @@ def grown(cluster: ClusterSpec, rng: random.Random) -> dict[str, ClusterSpec]:
 @pytest.mark.parametrize("seed", range(NUM_CASES))
 def test_more_gpus_nodes_or_memory_never_plan_slower(seed):
     profile, cluster, gbs = random_instance(seed)
+    base = _step(profile, cluster, gbs)
+    if base is None:
+        return
+    for growth, bigger in grown(cluster, random.Random(seed)).items():
+        step = _step(profile, bigger, gbs)
+        assert step is not None, (
+            f"{growth}: {bigger.short_form()} has no plan where {cluster.short_form()} has"
+        )
+        assert step <= base * (1 + RELATIVE), (growth, bigger.short_form(), step, base)
+
+
+@pytest.mark.parametrize("seed", range(NUM_CASES))
+def test_more_resources_never_plan_slower_where_nccl_buffers_count(seed):
+    """The same growths on H100s, each device given 3 to 9 communicators' worth of NCCL buffers
+    beside the instance's memory: plans now differ in the groups their devices belong to
+    (costmodel.communicators), and answers that do not fit are searched again
+    (`solver._within_nccl_buffers`)."""
+    profile, cluster, gbs = random_instance(seed)
+    buffers = random.Random(seed).randint(3, 9) * group_bytes(GPU)
+    memory = cluster.device.memory_bytes + int(buffers / (1 - MEMORY_HEADROOM))
+    cluster = dataclasses.replace(
+        cluster, device=dataclasses.replace(cluster.device, kind=GPU, memory_bytes=memory)
+    )
     base = _step(profile, cluster, gbs)
     if base is None:
         return
