@@ -89,6 +89,7 @@ METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
+NCCL_BISECTIONS = 2  # then searches between the reserves that did not fit and did (each a whole solve)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
 
@@ -196,9 +197,10 @@ def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, di
     The planner reserves each stage's buffers for a plan whose pipelines cut alike
     (costmodel.communicators); an answer whose devices belong to more groups can need more. The
     reserve then grows (by the answer's shortfall, at least doubling, from a quarter communicator)
-    until an answer fits or none is left, and is bisected (in steps of a quarter communicator)
-    between the last reserve whose answer did not fit and that one: a smaller reserve searches
-    more plans, so an answer that fits there is no slower. The fastest answer that fits wins.
+    until an answer fits or none is left, and is bisected NCCL_BISECTIONS times (down to a quarter
+    communicator) between the last reserve whose answer did not fit and that one: a smaller reserve
+    searches more plans, so an answer that fits there is no slower. The fastest answer that fits
+    wins. Each search is a whole solve.
     """
     best, passes = search(cluster)
     if best is None or best[3].fits:
@@ -222,7 +224,9 @@ def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, di
             found = (best, passes, high)
             break
         low, high = high, max(high + shortfall(best), 2 * high)
-    while high - low > step:
+    for _ in range(NCCL_BISECTIONS):
+        if high - low <= step:
+            break
         middle = (low + high) // 2
         best, passes = attempt(middle)
         if best is not None and best[3].fits and (found is None or best[0] <= found[0][0]):
