@@ -171,7 +171,7 @@ def solve(
                     )
         return best, passes
 
-    best, passes, reserved = _within_nccl_buffers(best_of_passes, cluster)
+    best, passes, reserved = _within_nccl_buffers(best_of_passes, cluster, time_limit_s)
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -189,7 +189,7 @@ def solve(
     return dataclasses.replace(plan, solver=info)
 
 
-def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, dict, int]:
+def _within_nccl_buffers(search, cluster: ClusterSpec, time_limit_s: float) -> tuple[tuple | None, dict, int]:
     """`search(cluster)`'s answer, or where it does not fit once its devices' NCCL buffers are
     counted exactly, the fastest answer found with some bytes less memory per device that fits:
     (answer, passes, bytes reserved).
@@ -200,8 +200,10 @@ def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, di
     until an answer fits or none is left, and is bisected NCCL_BISECTIONS times (down to a quarter
     communicator) between the last reserve whose answer did not fit and that one: a smaller reserve
     searches more plans, so an answer that fits there is no slower. The fastest answer that fits
-    wins. Each search is a whole solve.
+    wins. Each search is a whole solve: a bisection runs only while one more search as long as the
+    last still ends within `time_limit_s` of the first search's start.
     """
+    started = time.perf_counter()
     best, passes = search(cluster)
     if best is None or best[3].fits:
         return best, passes, 0
@@ -210,9 +212,15 @@ def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, di
         estimate = answer[3]
         return max(s.peak_memory_bytes for s in estimate.stages) - estimate.usable_memory_bytes
 
+    last_s = time.perf_counter() - started  # how long the last search took
+
     def attempt(reserved: int) -> tuple[tuple | None, dict]:
+        nonlocal last_s
+        began = time.perf_counter()
         smaller = with_less_memory(cluster, reserved)
-        return search(smaller) if smaller is not None else (None, {})
+        answer = search(smaller) if smaller is not None else (None, {})
+        last_s = time.perf_counter() - began
+        return answer
 
     step = max(1 << 20, communicators.group_bytes(cluster.device.kind) // 4)
     low, high, found = 0, max(step, shortfall(best)), None
@@ -225,7 +233,7 @@ def _within_nccl_buffers(search, cluster: ClusterSpec) -> tuple[tuple | None, di
             break
         low, high = high, max(high + shortfall(best), 2 * high)
     for _ in range(NCCL_BISECTIONS):
-        if high - low <= step:
+        if high - low <= step or time.perf_counter() - started + last_s > time_limit_s:
             break
         middle = (low + high) // 2
         best, passes = attempt(middle)
