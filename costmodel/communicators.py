@@ -11,9 +11,10 @@ connection per channel whatever the group's size (NVIDIA/nccl issue #986, NCCL's
 So a rank pays, on a device kind with `nccl_channels` channels (costmodel.hardware):
   - per communicator it belongs to (`plan_groups`, and the whole job's group when it has two ranks
     or more): nccl_channels connections;
-  - per point-to-point peer (`p2p_peers`, on the whole job's communicator): nccl_channels
-    connections to a peer on its node, NET_CHANNELS_PER_PEER to one across nodes (NCCL's
-    NCCL_NCHANNELS_PER_NET_PEER default, NVIDIA/nccl issue #1424).
+  - per point-to-point peer (`p2p_peers`): nccl_channels connections to a peer on its node,
+    NET_CHANNELS_PER_PEER to one across nodes (NCCL's NCCL_NCHANNELS_PER_NET_PEER default, NVIDIA/nccl
+    issue #1424). 1F1B's batched exchanges run on the job's communicator; the interleaved schedule's
+    single sends get a communicator per pair of ranks from torch, priced alike.
 Tree and NVLink-SHARP buffers (connected only where NCCL picks those algorithms), the CUDA context
 and cuBLAS workspaces stay in the cost model's MEMORY_HEADROOM. Groups of one rank make no
 communicator, and gloo (the cpu kind, and ZeRO-1's private ring groups, which exist on gloo only)
@@ -24,13 +25,16 @@ point-to-point routes are `costmodel.boundary.routes`, which `p2p_peers` walks t
 
 Planner: its stage tables are built before any plan exists, so a planned stage reserves
 `planned_bytes`: the job's communicator, its TP group, the gradient-sync groups of a plan whose
-pipelines cut alike (its shard's holders and, under TP, the replicated norm weights' holders) and a
-point-to-point peer on its node for each neighbouring stage (none for a stage of the whole model,
-one for the first and the last). A plan whose pipelines
-cut or shard differently puts a device in more groups; the solver then checks the exact count of
-the plan it found and, where it does not fit, searches again with the shortfall reserved
-(`solver.solve`).
+pipelines cut alike (its shard's holders; under TP the replicated norm weights' holders; with tied
+embeddings, for the first and the last stage, the embedding's holders) and a point-to-point peer
+on its node for each neighbouring stage (none for a stage of the whole model, one for the first
+and the last). The reserve is neither a bound nor exact: a single-GPU plan needs none of it, and
+a plan whose pipelines cut or shard differently, or an interleaved first or last stage (two
+neighbours), can need more. The solver checks every answer's exact count and, where it does not
+fit, searches again with less memory (`solver._within_nccl_buffers`).
 """
+
+from collections.abc import Iterator
 
 from costmodel.boundary import routes, stage_ranges
 from costmodel.cluster import parse_device
@@ -63,11 +67,12 @@ def peer_bytes(kind: str, inter_node: bool) -> int:
     return (NET_CHANNELS_PER_PEER if inter_node else channels(kind)) * CONNECTION_BYTES
 
 
-def planned_bytes(kind: str, tp: int, peers: int = PLANNED_P2P_PEERS):
+def planned_bytes(kind: str, tp: int, peers: int = PLANNED_P2P_PEERS, tied: int = 0):
     """A planned stage's reserve (module docstring): the job's group, its TP group, the gradient-sync
-    groups of a plan whose pipelines cut alike (its shard's holders, and under TP the replicated
-    weights' holders), and `peers` neighbouring stages on its node (an array works too)."""
-    groups = 1 + (tp > 1) + 1 + (tp > 1)  # the job's, the TP group, the sync groups
+    groups of a plan whose pipelines cut alike (its shard's holders, under TP the replicated
+    weights' holders, and with `tied` the tied embedding's holders, which span the first and the
+    last stage), and `peers` neighbouring stages on its node (arrays work too)."""
+    groups = 1 + (tp > 1) + 1 + (tp > 1) + tied  # the job's, the TP group, the sync groups
     return groups * group_bytes(kind) + peers * peer_bytes(kind, inter_node=False)
 
 
@@ -103,7 +108,7 @@ def p2p_peers(plan: Plan) -> dict[str, set[str]]:
     return peers
 
 
-def _pairs(front: Stage, back: Stage, seq_len: int):
+def _pairs(front: Stage, back: Stage, seq_len: int) -> Iterator[tuple[str, str]]:
     """(sender, receiver) of every transfer across the front -> back boundary, both directions."""
     front_ranges = stage_ranges(seq_len, front.tp_degree, front.sequence_parallel)
     back_ranges = stage_ranges(seq_len, back.tp_degree, back.sequence_parallel)

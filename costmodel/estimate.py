@@ -555,9 +555,11 @@ class CostModel:
         key = (start, end, tp, micro_batch_size)
         if key not in self._planned_cache:
             cost = self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
-            neighbours = (start > 0) + (end < self.model.num_layers)
+            L = self.model.num_layers
+            neighbours = (start > 0) + (end < L)
+            tied = self.model.tie_embeddings and (start == 0) != (end == L)
             kind = self.cluster.device.kind
-            cost = replace(cost, comm_bytes=communicators.planned_bytes(kind, tp, neighbours))
+            cost = replace(cost, comm_bytes=communicators.planned_bytes(kind, tp, neighbours, tied))
             if self.replicas > 1:
                 cost = replace(cost, sharded_over=self.replicas, bucket_bytes=self.optimizer.bucket_bytes)
                 kept = cost.state_bytes().masters / max(1, cost.param_count * FP32_BYTES)
@@ -689,8 +691,8 @@ class CostModel:
         for pi, (pipe, (costs, p2p, time_s, sync, _)) in enumerate(zip(plan.pipelines, priced, strict=True)):
             m = pipe.num_microbatches
             for si, (st, cost) in enumerate(zip(pipe.stages, costs, strict=True)):
-                state = max((states[d] for d in st.devices), key=_total)
-                comm = max(comms[d] for d in st.devices)
+                fullest = max(st.devices, key=lambda d: _total(states[d]) + comms[d])
+                state, comm = states[fullest], comms[fullest]
                 kept = state.masters / max(1, cost.param_count * FP32_BYTES)
                 stages.append(
                     StagePrediction(
@@ -764,7 +766,6 @@ def combine_chunks(chunks: list[StageCost]) -> StageCost:
         input_kept_bytes=0,
         output_kept_bytes=0,
         transient_bytes=max(c.transient_bytes for c in chunks),
-        comm_bytes=max(c.comm_bytes for c in chunks),
         boundary_bytes=max(c.boundary_bytes for c in chunks),
         input_bytes=max(c.input_bytes for c in chunks),
         optimizer_s=sum(c.optimizer_s for c in chunks),

@@ -89,6 +89,7 @@ METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
+MIB = 1 << 20
 NCCL_BISECTIONS = 2  # then searches between the reserves that did not fit and did (each a whole solve)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
@@ -171,7 +172,7 @@ def solve(
                     )
         return best, passes
 
-    best, passes, reserved = _within_nccl_buffers(best_of_passes, cluster, time_limit_s)
+    best, passes, reserved, first_s = _within_nccl_buffers(best_of_passes, cluster, time_limit_s)
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -182,31 +183,37 @@ def solve(
             )
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
     _, plan, info, _ = best
-    if reserved:
+    if reserved:  # searched again with less memory: no proof, and the gap is to the first answer
         info["nccl_reserve_bytes"] = reserved  # beyond the planner's own (costmodel.communicators)
+        info.update(status="FEASIBLE", gap=max(0.0, (best[0] - first_s) / best[0]))
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
     return dataclasses.replace(plan, solver=info)
 
 
-def _within_nccl_buffers(search, cluster: ClusterSpec, time_limit_s: float) -> tuple[tuple | None, dict, int]:
+def _within_nccl_buffers(
+    search: Callable[[ClusterSpec], tuple[tuple | None, dict]], cluster: ClusterSpec, time_limit_s: float
+) -> tuple[tuple | None, dict, int, float]:
     """`search(cluster)`'s answer, or where it does not fit once its devices' NCCL buffers are
     counted exactly, the fastest answer found with some bytes less memory per device that fits:
-    (answer, passes, bytes reserved).
+    (answer, passes, bytes reserved, the first answer's step time). An answer is `best_of_passes`'
+    (step time, plan, solver block, estimate).
 
     The planner reserves each stage's buffers for a plan whose pipelines cut alike
     (costmodel.communicators); an answer whose devices belong to more groups can need more. The
-    reserve then grows (by the answer's shortfall, at least doubling, from a quarter communicator)
+    reserve then grows (by the answer's shortfall and at least a quarter communicator, then doubling)
     until an answer fits or none is left, and is bisected NCCL_BISECTIONS times (down to a quarter
     communicator) between the last reserve whose answer did not fit and that one: a smaller reserve
     searches more plans, so an answer that fits there is no slower. The fastest answer that fits
     wins. Each search is a whole solve: a bisection runs only while one more search as long as the
-    last still ends within `time_limit_s` of the first search's start.
+    last still ends within `time_limit_s` of the first search's start. Such an answer proves
+    nothing: `solve` reports it FEASIBLE, with its gap to the first answer, which did not fit.
     """
     started = time.perf_counter()
     best, passes = search(cluster)
     if best is None or best[3].fits:
-        return best, passes, 0
+        return best, passes, 0, 0.0
+    first_s = best[0]
 
     def shortfall(answer) -> int:
         estimate = answer[3]
@@ -222,7 +229,7 @@ def _within_nccl_buffers(search, cluster: ClusterSpec, time_limit_s: float) -> t
         last_s = time.perf_counter() - began
         return answer
 
-    step = max(1 << 20, communicators.group_bytes(cluster.device.kind) // 4)
+    step = max(MIB, communicators.group_bytes(cluster.device.kind) // 4)
     low, high, found = 0, max(step, shortfall(best)), None
     for _ in range(NCCL_RESERVE_ROUNDS):
         best, passes = attempt(high)
@@ -232,6 +239,8 @@ def _within_nccl_buffers(search, cluster: ClusterSpec, time_limit_s: float) -> t
             found = (best, passes, high)
             break
         low, high = high, max(high + shortfall(best), 2 * high)
+    else:  # every reserve tried left a plan that does not fit: nothing to bisect
+        high = low
     for _ in range(NCCL_BISECTIONS):
         if high - low <= step or time.perf_counter() - started + last_s > time_limit_s:
             break
@@ -246,9 +255,9 @@ def _within_nccl_buffers(search, cluster: ClusterSpec, time_limit_s: float) -> t
     if found is None:
         raise ElastorError(
             "No plan fits once NCCL's communicator buffers are counted: the plans found need more than "
-            "the planner reserves for them; add GPUs or memory, or pin a grid (--method uniform)."
+            "the planner reserves for them; add GPUs or memory."
         )
-    return found
+    return (*found, first_s)
 
 
 def with_less_memory(cluster: ClusterSpec, reserved: int) -> ClusterSpec | None:

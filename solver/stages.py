@@ -102,6 +102,8 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     # a stage [s, e) has a neighbour in front unless s = 0 and behind unless e = L (CostModel.planned)
     ends = np.arange(num_layers + 1)
     neighbours = (ends[:, None] > 0).astype(np.int64) + (ends[None, :] < num_layers)
+    # with tied embeddings the first and the last stage (not both) also hold the embedding's holders
+    tied = cm.model.tie_embeddings * ((ends[:, None] == 0) != (ends[None, :] == num_layers))
     params[0, num_layers], optimizer[0, num_layers] = whole.param_count, whole.optimizer_s
     tensors[0, num_layers] = whole.param_tensors
     return StageCost(
@@ -124,7 +126,7 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         dtype_bytes=whole.dtype_bytes,
         sequence_parallel=whole.sequence_parallel,
         recompute=whole.recompute,
-        comm_bytes=communicators.planned_bytes(cm.cluster.device.kind, tp, neighbours),
+        comm_bytes=communicators.planned_bytes(cm.cluster.device.kind, tp, neighbours, tied),
         row_numel=whole.row_numel,
         sharded_over=whole.sharded_over,
         bucket_bytes=whole.bucket_bytes,

@@ -7,12 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 from dist_helpers import plan_json
+from test_runtime_interleaved import PLANS as INTERLEAVED
 from test_runtime_parity import PLANS
 
 import solver
 from costmodel import PRESETS, ClusterSpec, Plan, communicators
 from costmodel.communicators import CONNECTION_BYTES, device_bytes, p2p_peers, plan_groups, planned_bytes
 from costmodel.estimate import CostModel
+from costmodel.sharding import state_bytes
 from profiler.analytic import analytic_profile
 from runtime import distributed
 from runtime.pipeline import _links
@@ -44,7 +46,12 @@ UNALIKE = {
     ),
     "dtype": "bfloat16",
 }
-CASES = {**PLANS, "alike": ALIKE, "unalike": UNALIKE}
+CASES = {
+    **PLANS,
+    **{f"interleaved-{k}": v for k, v in INTERLEAVED.items()},
+    "alike": ALIKE,
+    "unalike": UNALIKE,
+}
 
 
 def _plan(name: str) -> Plan:
@@ -131,12 +138,17 @@ def _estimate(plan: Plan, kind: str):
 
 @pytest.mark.parametrize("name", ["alike", "unalike"])
 def test_every_estimate_holds_each_devices_buffers(name):
-    """A stage's predicted peak counts the NCCL buffers of its fullest device, and only on GPUs."""
+    """A stage's predicted peak is its fullest device's: that device's optimizer state and NCCL
+    buffers together (the devices of the unalike plan's stages hold different numbers of groups);
+    on the cpu kind no buffers."""
     plan = _plan(name)
     exact = device_bytes(plan, H100)
+    states = state_bytes(plan, 2)
     gpu, cpu = _estimate(plan, H100), _estimate(plan, "cpu")
     for on_gpu, on_cpu in zip(gpu.stages, cpu.stages, strict=True):
-        assert on_gpu.memory["communicators"] == max(exact[d] for d in on_gpu.devices) > 0
+        fullest = max(on_gpu.devices, key=lambda d: sum(dataclasses.astuple(states[d])) + exact[d])
+        assert on_gpu.memory["communicators"] == exact[fullest] > 0
+        assert on_gpu.peak_memory_bytes - on_cpu.peak_memory_bytes == exact[fullest]
         assert on_cpu.memory["communicators"] == 0
 
 
@@ -156,6 +168,17 @@ def test_planned_stages_reserve_their_buffers():
     assert reserved(0, 3, 1) == 2 * g + g  # the first stage: one
     assert reserved(2, 4, 1) == 2 * g + 2 * g  # a middle stage: two
     assert reserved(3, 6, 2) == 4 * g + g
+    tied = CostModel(
+        analytic_profile(
+            PRESETS["gpt-small"], device_kind=H100, micro_batch_sizes=[1], tp_degrees=[1], seq_len=64
+        ),
+        ClusterSpec.parse("8", H100),
+    )
+    L = PRESETS["gpt-small"].num_layers
+    assert tied.planned(0, 3, 1, 1).comm_bytes == 3 * g + g  # the tied embedding's holders too
+    assert tied.planned(3, L, 1, 1).comm_bytes == 3 * g + g
+    assert tied.planned(3, 5, 1, 1).comm_bytes == 2 * g + 2 * g
+    assert tied.planned(0, L, 1, 1).comm_bytes == 2 * g  # both copies on one device: no group
     grid = stage_grid(cm, 2, 1)
     comm = np.broadcast_to(grid.memory_bytes(1)["communicators"], (7, 7))
     assert all(comm[s, e] == reserved(s, e, 2) for s in range(6) for e in range(s + 1, 7))
@@ -184,6 +207,7 @@ def test_a_plan_beyond_the_reserve_is_searched_again_and_fits():
     )
     plan = solver.solve(profile, cluster, 32)
     assert plan.solver["nccl_reserve_bytes"] > 0
+    assert plan.solver["status"] == "FEASIBLE"  # a search with less memory proves nothing
     estimate = CostModel(profile, cluster).estimate(plan)
     assert estimate.fits
     exact = device_bytes(plan, H100)
