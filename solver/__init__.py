@@ -183,8 +183,8 @@ def solve(
             )
         raise ElastorError(_reason(profile, cluster, global_batch_size, sizes, method))
     _, plan, info, _ = best
-    if reserved:  # searched again with less memory: no proof, and the gap is to the first answer
-        info["nccl_reserve_bytes"] = reserved  # beyond the planner's own (costmodel.communicators)
+    if reserved:  # searched again with other memory: no proof, and the gap is to the first answer
+        info["nccl_reserve_bytes"] = reserved  # beyond the planner's own; < 0: given back
         info.update(status="FEASIBLE", gap=max(0.0, (best[0] - first_s) / best[0]))
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
@@ -208,9 +208,18 @@ def _within_nccl_buffers(
     wins. Each search is a whole solve: a bisection runs only while one more search as long as the
     last still ends within `time_limit_s` of the first search's start. Such an answer proves
     nothing: `solve` reports it FEASIBLE, with its gap to the first answer, which did not fit.
+    Where the first search finds no plan at all, one more runs with the largest reserve given back
+    (a negative reserve), and its answer is kept if it fits exactly.
     """
     started = time.perf_counter()
     best, passes = search(cluster)
+    if best is None:
+        # The reserve can exceed what a plan needs (a single GPU needs none of it): search once more
+        # with the most a stage reserves given back; its answer counts only if it fits exactly.
+        most = communicators.planned_bytes(cluster.device.kind, 2, 2, 1)
+        more, more_passes = search(with_less_memory(cluster, -most)) if most else (None, {})
+        if more is not None and more[3].fits:
+            return more, more_passes, -most, more[0]
     if best is None or best[3].fits:
         return best, passes, 0, 0.0
     first_s = best[0]

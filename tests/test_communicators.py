@@ -13,7 +13,7 @@ from test_runtime_parity import PLANS
 import solver
 from costmodel import PRESETS, ClusterSpec, Plan, communicators
 from costmodel.communicators import CONNECTION_BYTES, device_bytes, p2p_peers, plan_groups, planned_bytes
-from costmodel.estimate import CostModel
+from costmodel.estimate import MEMORY_HEADROOM, CostModel
 from costmodel.sharding import state_bytes
 from profiler.analytic import analytic_profile
 from runtime import distributed
@@ -213,3 +213,26 @@ def test_a_plan_beyond_the_reserve_is_searched_again_and_fits():
     exact = device_bytes(plan, H100)
     for stage in estimate.stages:
         assert stage.memory["communicators"] == max(exact[d] for d in stage.devices)
+
+
+def test_a_plan_the_reserve_shuts_out_is_found_where_it_fits():
+    """One H100 with 300 MiB more than gpt-small's single-device plan needs: the planner reserves a
+    stage's buffers and finds nothing; a single GPU has no NCCL communicator, so the search with the
+    reserve given back finds that plan, which fits exactly."""
+    profile = analytic_profile(
+        PRESETS["gpt-small"], device_kind=H100, micro_batch_sizes=[1], tp_degrees=[1], seq_len=1024
+    )
+    cluster = ClusterSpec.parse("1", H100)
+    model = profile.model
+    alone = Plan.from_json(
+        {
+            **plan_json(model.to_json(), [(8, [((0, model.num_layers), ["n0:0"])])], seq_len=1024),
+            "dtype": "bfloat16",
+        }
+    )
+    need = CostModel(profile, cluster).estimate(alone).stages[0].peak_memory_bytes
+    memory = int((need + 300 * 2**20) / (1 - MEMORY_HEADROOM)) + 1
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory))
+    plan = solver.solve(profile, cluster, 8, recompute="none")
+    assert plan.solver["nccl_reserve_bytes"] < 0 and plan.solver["status"] == "FEASIBLE"
+    assert CostModel(profile, cluster).estimate(plan).fits
