@@ -76,6 +76,15 @@ def planned_bytes(kind: str, tp: int, peers: int = PLANNED_P2P_PEERS, tied: int 
     return groups * group_bytes(kind) + peers * peer_bytes(kind, inter_node=False)
 
 
+def stage_reserve(kind: str, tp: int, start, end, num_layers: int, tie_embeddings: bool):
+    """`planned_bytes` of a planned stage of layers [start, end) (ints, or arrays of them): a
+    neighbour in front unless it starts the model, one behind unless it ends it, and the tied
+    embedding's holders where it holds one end of a tied model but not both."""
+    neighbours = (start > 0) * 1 + (end < num_layers)
+    tied = tie_embeddings * ((start == 0) != (end == num_layers))
+    return planned_bytes(kind, tp, neighbours, tied)
+
+
 def plan_groups(plan: Plan) -> list[tuple[str, ...]]:
     """Every process group of two or more devices that the runtime makes for `plan`, in its order
     (devices in rank order, each rank set once): the TP group of each stage, pipelines and stages in

@@ -555,11 +555,10 @@ class CostModel:
         key = (start, end, tp, micro_batch_size)
         if key not in self._planned_cache:
             cost = self.stage(start, end, tp, micro_batch_size, self.sequence_parallel(tp), self.recompute)
-            L = self.model.num_layers
-            neighbours = (start > 0) + (end < L)
-            tied = self.model.tie_embeddings and (start == 0) != (end == L)
-            kind = self.cluster.device.kind
-            cost = replace(cost, comm_bytes=communicators.planned_bytes(kind, tp, neighbours, tied))
+            reserve = communicators.stage_reserve(
+                self.cluster.device.kind, tp, start, end, self.model.num_layers, self.model.tie_embeddings
+            )
+            cost = replace(cost, comm_bytes=reserve)
             if self.replicas > 1:
                 cost = replace(cost, sharded_over=self.replicas, bucket_bytes=self.optimizer.bucket_bytes)
                 kept = cost.state_bytes().masters / max(1, cost.param_count * FP32_BYTES)

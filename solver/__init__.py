@@ -89,7 +89,6 @@ METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
-MIB = 1 << 20
 NCCL_BISECTIONS = 2  # then searches between the reserves that did not fit and did (each a whole solve)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
@@ -238,7 +237,7 @@ def _within_nccl_buffers(
         last_s = time.perf_counter() - began
         return answer
 
-    step = max(MIB, communicators.group_bytes(cluster.device.kind) // 4)
+    step = max(communicators.MIB, communicators.group_bytes(cluster.device.kind) // 4)
     low, high, found = 0, max(step, shortfall(best)), None
     for _ in range(NCCL_RESERVE_ROUNDS):
         best, passes = attempt(high)

@@ -99,11 +99,7 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     output_kept = np.array([0.0] + [float(c.output_kept_bytes) for c in singles])
     params, optimizer, tensors = summed("param_count"), summed("optimizer_s"), summed("param_tensors")
     whole = cm.planned(0, num_layers, tp, mbs)
-    # a stage [s, e) has a neighbour in front unless s = 0 and behind unless e = L (CostModel.planned)
     ends = np.arange(num_layers + 1)
-    neighbours = (ends[:, None] > 0).astype(np.int64) + (ends[None, :] < num_layers)
-    # with tied embeddings the first and the last stage (not both) also hold the embedding's holders
-    tied = cm.model.tie_embeddings * ((ends[:, None] == 0) != (ends[None, :] == num_layers))
     params[0, num_layers], optimizer[0, num_layers] = whole.param_count, whole.optimizer_s
     tensors[0, num_layers] = whole.param_tensors
     return StageCost(
@@ -126,7 +122,9 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         dtype_bytes=whole.dtype_bytes,
         sequence_parallel=whole.sequence_parallel,
         recompute=whole.recompute,
-        comm_bytes=communicators.planned_bytes(cm.cluster.device.kind, tp, neighbours, tied),
+        comm_bytes=communicators.stage_reserve(
+            cm.cluster.device.kind, tp, ends[:, None], ends[None, :], num_layers, cm.model.tie_embeddings
+        ),
         row_numel=whole.row_numel,
         sharded_over=whole.sharded_over,
         bucket_bytes=whole.bucket_bytes,
