@@ -111,7 +111,8 @@ def predicted_memory(plan) -> dict[str, dict[str, int]]:
     model (a runtime has no profile; `benchmarks/memory_validation.py` holds both side by side):
     parameters (16-bit copies and fp32 masters), main gradients with the sync's packing buffers,
     AdamW state, and the step's peak above them (activations of the micro-batches in flight, the
-    boundary pieces of one exchange, the largest layer's transient)."""
+    boundary pieces of one exchange, the largest layer's transient). NCCL's communicator buffers
+    (`costmodel.communicators`) live outside torch's allocator, so neither side counts them here."""
     from costmodel.cluster import ClusterSpec, DeviceSpec, LinkSpec, NodeSpec, parse_device
     from costmodel.estimate import CostModel
     from profiler.analytic import analytic_profile
