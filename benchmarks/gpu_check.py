@@ -3,10 +3,15 @@
 On one CUDA GPU, in a few minutes:
   1. profile gpt-small (sequence 1,024; micro-batches 1, 2, 4, 8) and one llama2-7b block (sequence
      4,096, micro-batch 1) on the GPU, in bf16; both profiles are written to --profiles-dir;
-  2. train gpt-small in bf16 on that GPU, without and with full recomputation, from a one-stage plan
-     (`elastor train`, synthetic tokens), and read its step times and its `memory` event;
-  3. write measured vs predicted step time, MFU and peak memory (the cost model on the measured
-     profile) to --out.
+  2. train gpt-small, then the one-block llama2-7b (its embedding, one block and its head: 0.46 B
+     parameters, a step of real size for the GPU), in bf16 on that GPU, without and with full
+     recomputation, from one-stage plans (`elastor train`, synthetic tokens), and read the step
+     times and the `memory` event of each run;
+  3. run three more steps of each plan under torch.profiler: the GPU's kernel time per step over
+     the step's wall time says whether the step is bound by the GPU (near 1) or by the host
+     launching its kernels (well below 1), the regime the cost model's measured times come from;
+  4. write measured vs predicted step time, MFU, peak memory (the cost model on the measured
+     profile) and the GPU-busy fraction to --out.
 
     python benchmarks/gpu_check.py                        # on a CUDA GPU
     python benchmarks/gpu_check.py --device cpu --out x   # the same steps, scaled down, as a dry run
@@ -17,6 +22,7 @@ On one CUDA GPU, in a few minutes:
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -44,6 +50,7 @@ SETTINGS = {
         "block_seq": 4096,
         "repeats": 20,
         "train_mbs": 4,
+        "block_train_mbs": 1,
         "micro_batches": 4,
         "steps": 30,
     },
@@ -64,6 +71,7 @@ SETTINGS = {
         "block_seq": 64,
         "repeats": 2,
         "train_mbs": 2,
+        "block_train_mbs": 1,
         "micro_batches": 2,
         "steps": 4,
     },
@@ -88,7 +96,8 @@ def train(plan: Plan, device: str, steps: int, tmp: Path) -> dict:
     memory event (measured and predicted peaks)."""
     from elastor.cli import main
 
-    plan_path, metrics = tmp / f"plan-{plan.pipelines[0].stages[0].recompute}.json", tmp / "m.jsonl"
+    name = f"plan-{plan.model.name}-{plan.pipelines[0].stages[0].recompute}.json"
+    plan_path, metrics = tmp / name, tmp / "m.jsonl"
     metrics.unlink(missing_ok=True)
     write_json(plan_path, plan.to_json())
     args = ["train", "--plan", str(plan_path), "--steps", str(steps), "--metrics", str(metrics)]
@@ -99,6 +108,42 @@ def train(plan: Plan, device: str, steps: int, tmp: Path) -> dict:
     times = [r["step_time_s"] for r in lines if "step_time_s" in r][2:] or [lines[-1]["step_time_s"]]
     memory = next(r for r in lines if r.get("event") == "memory")
     return {"step_time_s": statistics.median(times), "memory": memory}
+
+
+def gpu_busy(plan: Plan, device: str, steps: int = 3) -> dict:
+    """Kernel seconds and kernels per step, and their share of the step's wall time, over `steps`
+    steps after two warm-up steps, profiled (torch.profiler). On CPU there are no kernels: None."""
+    import torch
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.distributed import init_distributed
+    from runtime.optim import OptimConfig
+    from runtime.trainer import Trainer
+
+    cuda = device == "cuda"
+    trainer = Trainer(plan, init_distributed(plan, device=device), optim=OptimConfig())
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                trainer.train_step()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - started) / steps
+    finally:
+        trainer.close()
+        dist.destroy_process_group()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not cuda:
+        return {"profiled_step_s": wall, "kernel_s": None, "kernels": None, "busy": None}
+    kernel_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / steps
+    per_step = len(kernels) / steps
+    return {"profiled_step_s": wall, "kernel_s": kernel_s, "kernels": per_step, "busy": kernel_s / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,15 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         write_json(path, profile.to_json())
         results["profiles"][profile.model.name] = {"path": path.name, "wall_s": profile.method.get("wall_s")}
     cluster = ClusterSpec.parse("1", small.device_kind)
+    trained = ((small, s["seq"], s["train_mbs"]), (block, s["block_seq"], s["block_train_mbs"]))
     with tempfile.TemporaryDirectory() as tmp:
-        for recompute in ("none", "full"):
-            plan = one_stage_plan(s["model"], s["seq"], s["train_mbs"], s["micro_batches"], recompute)
-            predicted = CostModel(small, cluster).estimate(plan)
+        for (profile, seq, mbs), recompute in itertools.product(trained, ("none", "full")):
+            plan = one_stage_plan(profile.model, seq, mbs, s["micro_batches"], recompute)
+            predicted = CostModel(profile, cluster).estimate(plan)
             measured = train(plan, args.device, s["steps"], Path(tmp))
             peak = predicted.peak_flops
             device = measured["memory"]["devices"]["n0:0"]
             results["runs"].append(
                 {
+                    "model": profile.model.name,
                     "recompute": recompute,
                     "measured_step_s": measured["step_time_s"],
                     "predicted_step_s": predicted.step_time_s,
@@ -145,19 +192,19 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted_mfu": predicted.mfu,
                     "memory": device,
                     "peak_ratio": measured["memory"]["worst_measured_over_predicted"],
+                    "gpu": gpu_busy(plan, args.device),
                 }
             )
     results["wall_s"] = round(time.perf_counter() - started, 1)
     write_json(args.out, results)
-    rows = [("run", "measured s", "predicted s", "ratio", "MFU measured", "MFU predicted", "peak meas/pred")]
+    rows = [("run", "measured s", "predicted s", "ratio", "MFU measured", "MFU predicted")]
+    rows[0] += ("peak meas/pred", "GPU busy")
     for r in results["runs"]:
-        mfu = [("-" if x is None else f"{x:.1%}") for x in (r["measured_mfu"], r["predicted_mfu"])]
-        rows.append(
-            (
-                f"recompute {r['recompute']}", f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}",
-                f"{r['step_ratio']:.3f}", *mfu, f"{r['peak_ratio']:.3f}",
-            )
-        )  # fmt: skip
+        share = [("-" if x is None else f"{x:.1%}") for x in (r["measured_mfu"], r["predicted_mfu"])]
+        busy = "-" if r["gpu"]["busy"] is None else f"{r['gpu']['busy']:.0%}"
+        times = (f"{r['measured_step_s']:.4f}", f"{r['predicted_step_s']:.4f}", f"{r['step_ratio']:.3f}")
+        name = f"{r['model']}, recompute {r['recompute']}"
+        rows.append((name, *times, *share, f"{r['peak_ratio']:.3f}", busy))
     print(format_table(rows))
     print(f"gpu_check: {results['wall_s']} s; wrote {args.out.name} and the profiles to {profiles_dir.name}/")
     return 0

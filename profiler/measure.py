@@ -4,10 +4,13 @@ For each kind of layer (embed, one block shared by all blocks, head), each TP de
 micro-batch size: forward and backward time of TP rank 0's shard (`profiler.layers`), the median of
 `repeats` runs after `warmup` runs, with the interquartile range as the spread; and the activation
 bytes that shard keeps for backward (`profiler.memory`). Times come from `time.perf_counter` on CPU
-and from CUDA events on a GPU. Parameter gradients accumulate across repeats, as over the
-micro-batches of a training step. Once per shard, the optimizer's share of a step on its parameters:
+and from CUDA events on a GPU. In the timed backward each parameter's gradient goes where the
+runtime sends it (runtime/dist_optim.py): a post-accumulate-grad hook adds it into an fp32 main
+gradient and releases it, a kernel per parameter and micro-batch (and, where launches bound the
+step, the hook's host time). Once per shard, the optimizer's share of a step on its parameters:
 what `runtime.trainer` does to a stage's gradients besides the sync (zero them, sum their squares for
-the global norm, scale them by the clip coefficient, AdamW step), timed the same way.
+the global norm, scale them by the clip coefficient, AdamW step on the fp32 masters, publish the
+masters into the module's parameters in their dtype), timed the same way.
 
 Layers are timed where training runs them: in a chain embed, CHAIN_BLOCKS blocks, head, forward
 front to back, then one backward from the loss, with a timestamp between every two layers each
@@ -140,11 +143,39 @@ def _chain_step(chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str
     return times[:n], times[n:][::-1], clock.undisturbed()
 
 
+def _main_gradient_hooks(chain: Sequence[torch.nn.Module]) -> list:
+    """The runtime's gradient path on every parameter of the chain (runtime/dist_optim.py's hook):
+    add the gradient into an fp32 main gradient, then release it. Returns the hooks' handles."""
+    handles = []
+    for layer in chain:
+        for param in layer.parameters():
+            main = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+
+            @torch.no_grad()
+            def accumulate(p: torch.Tensor, main: torch.Tensor = main) -> None:
+                main.add_(p.grad)
+                p.grad = None
+
+            handles.append(param.register_post_accumulate_grad_hook(accumulate))
+    return handles
+
+
 def _timed_chain(
     chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str, warmup: int, repeats: int
 ) -> tuple[list[list[float]], list[list[float]], int]:
     """Per layer of the chain, forward and backward seconds of `repeats` steps after `warmup` steps,
     and how many disturbed CPU steps were discarded on the way."""
+    handles = _main_gradient_hooks(chain)
+    try:
+        return _timed_steps(chain, ids, device, warmup, repeats)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _timed_steps(
+    chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str, warmup: int, repeats: int
+) -> tuple[list[list[float]], list[list[float]], int]:
     fwd: list[list[float]] = [[] for _ in chain]
     bwd: list[list[float]] = [[] for _ in chain]
     kept, discarded = 0, 0
@@ -168,9 +199,8 @@ def _optimizer_s(shard: torch.nn.Module, device: str, warmup: int, repeats: int)
     """Median seconds of the per-step optimizer work on `shard`'s parameters (the module docstring),
     and how many disturbed CPU runs were discarded. It runs on fp32 copies, as the runtime keeps fp32
     master weights in every dtype; AdamW's cost does not depend on the values."""
-    params = {
-        n: torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for n, p in shard.named_parameters()
-    }
+    module = dict(shard.named_parameters())
+    params = {n: torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for n, p in module.items()}
     for p in params.values():
         p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(params, OptimConfig())
@@ -184,6 +214,9 @@ def _optimizer_s(shard: torch.nn.Module, device: str, warmup: int, repeats: int)
         for p in params.values():
             p.grad.mul_(0.5)  # the clip, as when the norm exceeds the threshold
         optimizer.step()
+        with torch.no_grad():
+            for name, master in params.items():  # publish (runtime/dist_optim.py)
+                module[name].copy_(master)
         if device == "cuda":
             torch.cuda.synchronize()
         t1, cpu1 = time.perf_counter(), time.thread_time()

@@ -55,8 +55,10 @@ def test_cuda_training_matches_the_cpu_reference(cuda_trainer, reference_losses,
     losses = [trainer.train_step().loss for _ in range(STEPS)]
     for got, want in zip(losses, reference_losses, strict=True):
         assert abs(got - want) <= rtol * want
-    assert all(p.dtype == torch.float32 and p.is_cuda for p in trainer.params.values())
+    masters = [piece.param for piece in trainer.main.pieces]
+    assert masters and all(p.dtype == torch.float32 and p.is_cuda for p in masters)
     module_dtype = torch.bfloat16 if bf16 else torch.float32
-    assert all(p.dtype == module_dtype for p in trainer.model.parameters())
-    state = trainer.optimizer.state[trainer.params["embed.weight"]]
-    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+    assert all(p.dtype == module_dtype and p.is_cuda for p in trainer.model.parameters())
+    for master in masters:
+        state = trainer.optimizer.state[master]
+        assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
