@@ -3,8 +3,12 @@
 For each kind of layer (embed, one block shared by all blocks, head), each TP degree and each
 micro-batch size: forward and backward time of TP rank 0's shard (`profiler.layers`), the median of
 `repeats` runs after `warmup` runs, with the interquartile range as the spread; and the activation
-bytes that shard keeps for backward (`profiler.memory`). Times come from `time.perf_counter` on CPU
-and from CUDA events on a GPU. In the timed backward each parameter's gradient goes where the
+bytes that shard keeps for backward (`profiler.memory`). Times come from `time.perf_counter` on CPU.
+On a GPU each interval is the longer of two clocks: CUDA events, the kernels' time, and
+`time.perf_counter` on the host, the time to launch them. A layer whose kernels are short (gpt-small
+on an H200) is bound by its launches: the GPU waits for the host, and a step takes the host's time,
+which the events alone miss wherever the queue was already full when the layer began (the blocks'
+backward behind the head's long kernels). In the timed backward each parameter's gradient goes where the
 runtime sends it (runtime/dist_optim.py): a post-accumulate-grad hook adds it into an fp32 main
 gradient and releases it, a kernel per parameter and micro-batch (and, where launches bound the
 step, the hook's host time). Once per shard, the optimizer's share of a step on its parameters:
@@ -50,6 +54,7 @@ UNDISTURBED_CPU_FRACTION = 0.9
 MAX_RETRIES_PER_RUN = 4
 # Blocks in the timing chain (the module docstring): the middle one has blocks on both sides.
 CHAIN_BLOCKS = 3
+HOST_TIMER = "time.perf_counter"
 # CUDA device names and the device kinds of costmodel.hardware they are (memory tells A100s apart).
 CUDA_KINDS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-{}GB"))
 
@@ -90,27 +95,29 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 
 class _Clock:
-    """Timestamps of one training step: CUDA events on a GPU, the wall clock on a CPU."""
+    """Timestamps of one training step: the wall clock, and on a GPU CUDA events beside it."""
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
-        self.marks: list = []
+        self.marks: list[float] = []
+        self.events: list = []
         self.cpu0 = time.thread_time()
 
     def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            self.events.append(event)
+        self.marks.append(time.perf_counter())
 
     def intervals(self) -> list[float]:
-        """Seconds between consecutive marks."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        """Seconds between consecutive marks: on a GPU, the longer of the kernels' and the host's."""
+        host = [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        if not self.cuda:
+            return host
+        self.events[-1].synchronize()
+        kernels = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:], strict=False)]
+        return [max(k, h) for k, h in zip(kernels, host, strict=True)]
 
     def undisturbed(self) -> bool:
         """With one thread, torch computes on this thread: CPU time short of wall time means the OS
@@ -395,7 +402,7 @@ def measure_profile(
         attention=attention,
         layers=tuple(layers),
         method={
-            "timer": "CUDA events" if device == "cuda" else "time.perf_counter",
+            "timer": f"longer of CUDA events and {HOST_TIMER}" if device == "cuda" else HOST_TIMER,
             "memory": (
                 "torch.cuda.memory_allocated after forward minus before; transient from max_memory_allocated"
                 if device == "cuda"
