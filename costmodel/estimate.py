@@ -457,6 +457,7 @@ class CostModel:
         hidden = mbs * seq * model.hidden_size * dt  # one whole activation
         tp_fwd = tp_bwd = 0.0
         recompute_fwd_s = 0.0  # compute a recomputation reruns in backward
+        full_fwd_extra_s = 0.0  # what checkpointing adds to a measured block's forward
         kind_of_device = DEVICE_KINDS.get(prof.device_kind)  # prices the math kernel's core share
         priced_on = (dtype, kind_of_device) if kind_of_device is not None else None
         activations = transient = 0
@@ -466,7 +467,11 @@ class CostModel:
             tp_fwd, tp_bwd = tp_fwd + fwd_comm, tp_bwd + bwd_comm
             mode = recompute if kind == "block" else "none"
             if mode == "full":
-                recompute_fwd_s += c.fwd_s
+                if c.full_fwd_s is None:  # the rerun forward's time
+                    recompute_fwd_s += c.fwd_s
+                else:  # measured under torch.utils.checkpoint, its own work included
+                    full_fwd_extra_s += c.full_fwd_s - c.fwd_s
+                    recompute_fwd_s += c.full_bwd_s - c.bwd_s
                 tp_bwd += fwd_comm
             elif mode == "selective":
                 recompute_fwd_s += c.fwd_s * analytic.attention_core_fraction(
@@ -506,7 +511,7 @@ class CostModel:
             start=start,
             end=end,
             tp=tp,
-            compute_fwd_s=sum(c.fwd_s for c in costs),
+            compute_fwd_s=sum(c.fwd_s for c in costs) + full_fwd_extra_s,
             compute_bwd_s=sum(c.bwd_s for c in costs) + recompute_fwd_s,
             tp_comm_fwd_s=tp_fwd,
             tp_comm_bwd_s=tp_bwd,

@@ -6,6 +6,8 @@ forward and backward time of the per-rank shard and the activation bytes that sh
 backward per micro-batch. Identical blocks are measured once by the profiler and share the numbers.
 A measured profile also holds the per-step optimizer work on the shard's parameters (`optimizer_s`,
 the same at every micro-batch size); where it is absent the cost model derives it from bandwidth.
+Its blocks also carry their time under full recomputation (`full_fwd_s`, `full_bwd_s`); where that
+is absent the cost model charges the rerun forward's time.
 """
 
 from dataclasses import dataclass, field
@@ -51,6 +53,12 @@ class LayerCost:
     # Measured seconds per step of gradient zeroing, norm, clipping and AdamW on the shard's
     # parameters; None where not measured (analytic profiles, profiles from before the field).
     optimizer_s: float | None = None
+    # A block's measured forward and backward under full recomputation (torch.utils.checkpoint,
+    # whose backward reruns the forward): the checkpoint's own work rides on top of the rerun, and
+    # where launches bound a step it costs the host more than the forward it reruns. None: not
+    # measured (analytic profiles, layers that are not blocks, profiles from before the field).
+    full_fwd_s: float | None = None
+    full_bwd_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (is_integer(self.micro_batch_size, 1) and is_integer(self.tp_degree, 1)):
@@ -63,12 +71,15 @@ class LayerCost:
             if not is_integer(value, 0, MAX_LAYER_BYTES):
                 raise ElastorError(f"A layer cost has {name} {shown(value)}, not an integer in 0..2^50.")
         figures = {"fwd_flops": MAX_LAYER_FLOPS, "optimizer_s": MAX_LAYER_S}
-        for name in ("fwd_s", "bwd_s", "fwd_spread_s", "bwd_spread_s", "fwd_flops", "optimizer_s"):
+        optional = ("optimizer_s", "full_fwd_s", "full_bwd_s")
+        for name in ("fwd_s", "bwd_s", "fwd_spread_s", "bwd_spread_s", "fwd_flops", *optional):
             value, high = getattr(self, name), figures.get(name, MAX_LAYER_S)
-            if not (value is None and name == "optimizer_s") and not is_number(value, 0, high):
+            if not (value is None and name in optional) and not is_number(value, 0, high):
                 raise ElastorError(
                     f"A layer cost has {name} {shown(value)}, not a finite number in 0..{high:g}."
                 )
+        if (self.full_fwd_s is None) != (self.full_bwd_s is None):
+            raise ElastorError("A layer cost gives both full_fwd_s and full_bwd_s, or neither.")
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -87,6 +98,8 @@ class LayerCost:
             fwd_flops=data.get("fwd_flops", 0.0),
             transient_bytes=data.get("transient_bytes", 0),
             optimizer_s=data.get("optimizer_s"),
+            full_fwd_s=data.get("full_fwd_s"),
+            full_bwd_s=data.get("full_bwd_s"),
         )
 
 

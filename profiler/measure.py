@@ -18,7 +18,9 @@ masters into the module's parameters in their dtype), timed the same way.
 
 Layers are timed where training runs them: in a chain embed, CHAIN_BLOCKS blocks, head, forward
 front to back, then one backward from the loss, with a timestamp between every two layers each
-way; a block's figures are the middle block's, whose neighbours are blocks both ways.
+way; a block's figures are the middle block's, whose neighbours are blocks both ways. The chain runs
+twice, the second time with its blocks under full recomputation (`torch.utils.checkpoint`, as
+runtime/stage.py wraps them): a block's `full_fwd_s` and `full_bwd_s`.
 A layer run again and again on its own finds its weights and activations still in the core's caches,
 which in training the layers between two of its runs have evicted: on two CPU cores, gpt-tiny's
 whole model ran 10-20% slower than the sum of its layers timed alone; what the chain changes for
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from costmodel import analytic
@@ -148,6 +151,18 @@ def _chain_step(chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str
     times = clock.intervals()
     n = len(chain)
     return times[:n], times[n:][::-1], clock.undisturbed()
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block whose forward runs under `torch.utils.checkpoint` (non-reentrant), as a fully
+    recomputed block does in runtime/stage.py: its backward reruns the forward first."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def _main_gradient_hooks(chain: Sequence[torch.nn.Module]) -> list:
@@ -312,13 +327,25 @@ class _Session:
                 for kind, shard in shards.items()
             }  # the head's sets its targets
             fwd, bwd, discarded = _timed_chain(chain, inputs["embed"], self.device, self.warmup, self.repeats)
-            self.discarded += discarded
+            # the blocks again under full recomputation, as runtime/stage.py checkpoints them
+            full = [chain[0], *(_Checkpointed(b) for b in blocks), chain[-1]]
+            full_fwd, full_bwd, more = _timed_chain(
+                full, inputs["embed"], self.device, self.warmup, self.repeats
+            )
+            self.discarded += discarded + more
             for kind, shard in shards.items():
                 (fwd_s, fwd_spread), (bwd_s, bwd_spread) = (
                     _stats(fwd[position[kind]]),
                     _stats(bwd[position[kind]]),
                 )
                 kept, transient = _activation(shard, inputs[kind], self.device)
+                at = position[kind]
+                measured_full = {}
+                if kind == "block":  # never below the plain layer's: checkpointing only adds work
+                    measured_full = {
+                        "full_fwd_s": max(_stats(full_fwd[at])[0], fwd_s),
+                        "full_bwd_s": max(_stats(full_bwd[at])[0], bwd_s),
+                    }
                 costs[kind].append(
                     LayerCost(
                         micro_batch_size=mbs,
@@ -331,6 +358,7 @@ class _Session:
                         fwd_flops=analytic.forward_flops(self.config, kind, mbs, self.seq_len, tp_degree),
                         transient_bytes=transient,
                         optimizer_s=optimizer_s[kind],
+                        **measured_full,
                     )
                 )
             tick()
