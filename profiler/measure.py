@@ -165,10 +165,11 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _main_gradient_hooks(chain: Sequence[torch.nn.Module]) -> list:
+def _main_gradient_hooks(chain: Sequence[torch.nn.Module]) -> tuple[list, list[torch.Tensor]]:
     """The runtime's gradient path on every parameter of the chain (runtime/dist_optim.py's hook):
-    add the gradient into an fp32 main gradient, then release it. Returns the hooks' handles."""
-    handles = []
+    add the gradient into an fp32 main gradient, then release it. Returns the hooks' handles and
+    the main gradients, in parameter order."""
+    handles, mains = [], []
     for layer in chain:
         for param in layer.parameters():
             main = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
@@ -179,7 +180,8 @@ def _main_gradient_hooks(chain: Sequence[torch.nn.Module]) -> list:
                 p.grad = None
 
             handles.append(param.register_post_accumulate_grad_hook(accumulate))
-    return handles
+            mains.append(main)
+    return handles, mains
 
 
 def _timed_chain(
@@ -187,7 +189,7 @@ def _timed_chain(
 ) -> tuple[list[list[float]], list[list[float]], int]:
     """Per layer of the chain, forward and backward seconds of `repeats` steps after `warmup` steps,
     and how many disturbed CPU steps were discarded on the way."""
-    handles = _main_gradient_hooks(chain)
+    handles, _ = _main_gradient_hooks(chain)
     try:
         return _timed_steps(chain, ids, device, warmup, repeats)
     finally:

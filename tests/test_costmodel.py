@@ -359,3 +359,36 @@ def test_sequence_parallel_and_recompute_price_memory_and_time():
     assert full.compute_bwd_s == pytest.approx(sp.compute_bwd_s + sp.compute_fwd_s)
     assert full.tp_comm_bwd_s == pytest.approx(sp.tp_comm_bwd_s + sp.tp_comm_fwd_s)
     assert sp.boundary_bytes == plain.boundary_bytes // 2  # each rank sends its half of the sequence
+
+
+def test_a_block_measured_under_full_recomputation_is_priced_as_measured():
+    """A profile whose blocks carry their checkpointed times (`full_fwd_s`, `full_bwd_s`): a fully
+    recomputed stage costs those instead of the plain times plus the rerun forward; other modes and
+    the embedding and head are unchanged."""
+    profile = synthetic_profile(tp_degrees=(1,))
+    blocks = range(1, profile.model.num_layers - 1)
+    layers = list(profile.layers)
+    for i in blocks:  # checkpointing adds a tenth to the forward and the backward reruns it thrice
+        costs = [dataclasses.replace(c, full_fwd_s=1.1 * c.fwd_s, full_bwd_s=c.bwd_s + 3 * c.fwd_s)
+                 for c in layers[i].costs]  # fmt: skip
+        layers[i] = dataclasses.replace(layers[i], costs=tuple(costs))
+    measured = dataclasses.replace(profile, layers=tuple(layers))
+    cluster = ClusterSpec.parse("1", "cpu")
+    old, new = CostModel(profile, cluster), CostModel(measured, cluster)
+    L = profile.model.num_layers
+    fwd = sum(profile.cost(i, 2, 1).fwd_s for i in blocks)
+    for start, end in ((0, L), (1, L - 1)):
+        before, after = (
+            old.stage(start, end, 1, 2, recompute="full"),
+            new.stage(start, end, 1, 2, recompute="full"),
+        )
+        assert after.compute_fwd_s == pytest.approx(before.compute_fwd_s + 0.1 * fwd)
+        assert after.compute_bwd_s == pytest.approx(before.compute_bwd_s + 2 * fwd)
+        for mode in ("none", "selective"):
+            assert new.stage(start, end, 1, 2, recompute=mode) == old.stage(start, end, 1, 2, recompute=mode)
+    stage = Stage(chunks=((0, L),), devices=("n0:0",), recompute="full")
+    plan = Plan(
+        model=profile.model, global_batch_size=4, micro_batch_size=2, seq_len=profile.seq_len,
+        pipelines=(Pipeline(num_microbatches=2, stages=(stage,)),),
+    ).validate()  # fmt: skip
+    assert new.estimate(plan).step_time_s > old.estimate(plan).step_time_s

@@ -13,11 +13,12 @@ import pytest
 import torch
 from helpers import REPO, TIED_TINY
 
-from costmodel import ModelProfile
+from costmodel import ElastorError, LayerCost, ModelProfile
 from costmodel import analytic as formulas
 from costmodel.config import PRESETS, ModelConfig
 from costmodel.hardware import DEVICE_KINDS
 from elastor.cli import main
+from profiler import measure
 from profiler.analytic import analytic_profile
 from profiler.measure import measure_profile
 
@@ -77,6 +78,46 @@ def test_a_profile_file_without_the_new_fields_still_loads(tiny_profile):
             del cost["fwd_flops"], cost["transient_bytes"]
     old = ModelProfile.from_json(data)
     assert old.method == {} and old.layers[1].costs[0].fwd_flops == 0.0
+
+
+def test_blocks_carry_their_time_under_full_recomputation(tiny_profile):
+    """The chain runs again with its blocks under torch.utils.checkpoint: every block's cost holds
+    its checkpointed forward and backward, never below the plain ones (the backward reruns the
+    forward); the embedding and the head are never recomputed and carry none."""
+    for i, layer in enumerate(tiny_profile.layers):
+        for c in layer.costs:
+            if TINY.layer_kind(i) == "block":
+                assert c.full_fwd_s >= c.fwd_s and c.full_bwd_s >= c.bwd_s
+            else:
+                assert c.full_fwd_s is None and c.full_bwd_s is None
+    data = tiny_profile.to_json()
+    assert "full_bwd_s" in data["layers"][1]["costs"][0] and "full_bwd_s" not in data["layers"][0]["costs"][0]
+    for layer in data["layers"]:  # a profile from before the fields
+        for cost in layer["costs"]:
+            cost.pop("full_fwd_s", None), cost.pop("full_bwd_s", None)
+    assert ModelProfile.from_json(data).layers[1].costs[0].full_bwd_s is None
+    cost = tiny_profile.to_json()["layers"][1]["costs"][0]
+    del cost["full_fwd_s"]
+    with pytest.raises(ElastorError, match="both full_fwd_s and full_bwd_s, or neither"):
+        LayerCost.from_json(cost)
+
+
+def test_the_timed_backward_takes_the_runtimes_gradient_path():
+    """Each parameter's gradient is added into an fp32 main gradient and released (the runtime's
+    hook, runtime/dist_optim.py), once per backward; removing the hooks restores `.grad`."""
+    layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    handles, mains = measure._main_gradient_hooks([layer])
+    x = torch.full((2, 4), 0.5, dtype=torch.bfloat16)
+    for _ in range(2):
+        layer(x).float().sum().backward()
+    assert all(p.grad is None for p in layer.parameters())
+    weight, bias = mains  # d(sum)/dW = 2 rows of 0.5 each; d(sum)/db = 2 rows; two backwards
+    assert weight.dtype == torch.float32 and torch.equal(weight, torch.full((3, 4), 2.0))
+    assert torch.equal(bias, torch.full((3,), 4.0))
+    for handle in handles:
+        handle.remove()
+    layer(x).float().sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
 
 
 # ---- analytic FLOPs --------------------------------------------------------------------------------------
