@@ -190,10 +190,13 @@ def check_flags(args: argparse.Namespace, config: ModelConfig) -> None:
 
 # ---- output ----------------------------------------------------------------------------------------------
 def profile_table(profile: ModelProfile) -> str:
-    """One row per layer kind, TP degree and micro-batch size; identical blocks share one row."""
+    """One row per layer kind, TP degree and micro-batch size; identical blocks share one row. The
+    last column: a block's forward and backward under full recomputation, where measured."""
     model = profile.model
     names = {"embed": "embed", "block": f"blocks.0..{model.num_blocks - 1}", "head": "head"}
-    rows = [("layer", "mbs", "tp", "fwd ms", "±", "bwd ms", "±", "activations", "GFLOP/s")]
+    rows = [
+        ("layer", "mbs", "tp", "fwd ms", "±", "bwd ms", "±", "activations", "GFLOP/s", "full recompute ms")
+    ]
     for index in (0, 1, model.num_layers - 1):
         for c in sorted(profile.layers[index].costs, key=lambda c: (c.tp_degree, c.micro_batch_size)):
             total_s = c.fwd_s + c.bwd_s
@@ -209,6 +212,7 @@ def profile_table(profile: ModelProfile) -> str:
                     f"{c.bwd_spread_s * 1e3:.3f}",
                     format_bytes(c.activation_bytes),
                     (f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}") if rate else "-",
+                    "-" if c.full_fwd_s is None else f"{(c.full_fwd_s + c.full_bwd_s) * 1e3:.3f}",
                 )
             )
     return format_table(rows)
