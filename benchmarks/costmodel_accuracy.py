@@ -200,9 +200,9 @@ def _worker(plan_path: Path, steps: int, warmup: int, result: Path) -> None:
     trainer = Trainer(plan, ctx, optim=OptimConfig(warmup_steps=2, decay_steps=steps), seed=0)
     phases: dict[str, list[float]] = {f"{p}_{x}": [] for p in PHASES for x in ("s", "end_t")}
     for phase, owner, method in (
-        ("zero", trainer.optimizer, "zero_grad"),
+        ("zero", trainer.main, "zero_grad"),
         ("pipeline", trainer.schedule, "run"),
-        ("sync", trainer.sync, "all_reduce"),
+        ("sync", trainer.main, "finish_reduction"),
         ("optimizer", trainer.optimizer, "step"),
     ):
         setattr(owner, method, _timed(getattr(owner, method), phases[f"{phase}_s"], phases[f"{phase}_end_t"]))

@@ -45,3 +45,15 @@ def test_the_profiler_measures_the_optimizer_step_per_layer_shard():
     assert ModelProfile.from_json(profile.to_json()) == profile
     whole = CostModel(profile, ClusterSpec.parse("1", "cpu")).stage(0, TINY.num_layers, 1, 1)
     assert whole.optimizer_s == pytest.approx(sum(layer.costs[0].optimizer_s for layer in profile.layers))
+
+
+def test_the_worker_times_every_phase_of_a_training_step(tmp_path):
+    """The benchmark's torchrun worker wraps the trainer's own phases (the main state's zeroing and
+    reduction, the schedule, AdamW) and reports each one per step: renaming any of them fails here."""
+    bench = _benchmark()
+    plan = Plan.from_json(bench.plans(TINY)["1 dev, mbs 2 x 2"]).validate()
+    ranks = bench.run_plan(plan, steps=3, warmup=1, tmp=tmp_path)
+    assert len(ranks) == 1 and len(ranks[0]["step_s"]) == 3
+    terms = bench.measured_terms(ranks, warmup=1)
+    assert all(terms[name] > 0 for name in ("step", "pipeline", "sync", "optimizer"))
+    assert terms["pipeline"] < terms["step"]
