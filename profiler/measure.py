@@ -200,6 +200,7 @@ def _timed_chain(
 def _timed_steps(
     chain: Sequence[torch.nn.Module], ids: torch.Tensor, device: str, warmup: int, repeats: int
 ) -> tuple[list[list[float]], list[list[float]], int]:
+    """`_timed_chain`'s steps, once the gradient hooks are on."""
     fwd: list[list[float]] = [[] for _ in chain]
     bwd: list[list[float]] = [[] for _ in chain]
     kept, discarded = 0, 0
@@ -336,12 +337,9 @@ class _Session:
             )
             self.discarded += discarded + more
             for kind, shard in shards.items():
-                (fwd_s, fwd_spread), (bwd_s, bwd_spread) = (
-                    _stats(fwd[position[kind]]),
-                    _stats(bwd[position[kind]]),
-                )
-                kept, transient = _activation(shard, inputs[kind], self.device)
                 at = position[kind]
+                (fwd_s, fwd_spread), (bwd_s, bwd_spread) = _stats(fwd[at]), _stats(bwd[at])
+                kept, transient = _activation(shard, inputs[kind], self.device)
                 measured_full = {}
                 if kind == "block":  # never below the plain layer's: checkpointing only adds work
                     measured_full = {
@@ -442,7 +440,9 @@ def measure_profile(
             "warmup": warmup,
             "discarded_disturbed_runs": session.discarded,
             "statistic": "median; spread = interquartile range",
-            "optimizer": "zero grads, squared-norm sum, clip multiply, AdamW step on the shard's parameters",
+            "optimizer": "zero grads, squared-norm sum, clip, AdamW on fp32 masters, publish into the module",
+            "gradients": "a post-accumulate-grad hook adds each into an fp32 main gradient and releases it",
+            "full_recompute": "the chain again with its blocks under torch.utils.checkpoint (non-reentrant)",
             "shared": "one block measured, shared by every block",
             "context": f"timed in a chain embed, {CHAIN_BLOCKS} blocks (the middle one counts), head",
             "hardware": hardware,
