@@ -23,19 +23,8 @@ one has failed, then exits non-zero itself (measured here: 1.9 s after an except
 SIGKILL, on CPU with 3 ranks). A rank that hangs while alive is caught by the process-group timeout
 (`timeout_s`, `elastor train --timeout-s`, default 300 s): its peers' collectives raise, and torchrun
 stops it (8 s with a 5 s timeout). tests/test_runtime_failure.py holds these bounds.
-
-Exit: a trainer's gradient hooks close over its main state, which holds the module's parameters, so
-a finished trainer, its process groups with it, is a reference cycle that only the garbage
-collector frees. Left to the interpreter's teardown, a gloo group is destroyed after the threads'
-state is gone and its destructor meets joinable threads: the process aborts ("terminate called
-without an active exception") after a run that succeeded: in 4 of 17 runs of
-benchmarks/runtime_bench.py's sync worker on three ZeRO-1 bf16 ranks (1 of 14 on six), none in 34
-with the collection below. `init_distributed`
-therefore registers one `atexit` collection: every frame has returned by then, so the cycles are
-unreachable and are freed on the main thread while the interpreter is whole.
 """
 
-import atexit
 import gc
 import os
 from dataclasses import dataclass
@@ -98,16 +87,6 @@ def _round_store(world_size: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore("workers/", store)
 
 
-_COLLECTING_AT_EXIT = []
-
-
-def _collect_at_exit() -> None:
-    """Register, once per process, a garbage collection at exit (module docstring: Exit)."""
-    if not _COLLECTING_AT_EXIT:
-        atexit.register(gc.collect)
-        _COLLECTING_AT_EXIT.append(True)
-
-
 def init_distributed(
     plan: Plan, *, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> DistContext:
@@ -139,7 +118,6 @@ def init_distributed(
     else:
         torch_device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_s)
-    _collect_at_exit()
     if launched and ENV_MASTER in os.environ:
         dist.init_process_group(
             backend,
