@@ -82,12 +82,14 @@ def test_a_profile_file_without_the_new_fields_still_loads(tiny_profile):
 
 def test_blocks_carry_their_time_under_full_recomputation(tiny_profile):
     """The chain runs again with its blocks under torch.utils.checkpoint: every block's cost holds
-    its checkpointed forward and backward, never below the plain ones (the backward reruns the
-    forward); the embedding and the head are never recomputed and carry none."""
+    its checkpointed forward and backward. The backward reruns the forward, so it measures longer
+    than the plain one (2-2.4x for gpt-tiny at sequence 32 on a CPU, far above the noise; the
+    profiler clips a noisy measurement to the plain time, which this would catch); the embedding
+    and the head are never recomputed and carry none."""
     for i, layer in enumerate(tiny_profile.layers):
         for c in layer.costs:
             if TINY.layer_kind(i) == "block":
-                assert c.full_fwd_s >= c.fwd_s and c.full_bwd_s >= c.bwd_s
+                assert c.full_fwd_s >= c.fwd_s and c.full_bwd_s > c.bwd_s
             else:
                 assert c.full_fwd_s is None and c.full_bwd_s is None
     data = tiny_profile.to_json()
