@@ -102,8 +102,12 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]
     template, what it leaves exposed behind its own window (a lower bound in any plan)."""
 
     @functools.cache
+    def priced(num_pipelines: int, params: int, last_params: int) -> SyncCost:
+        return pipeline_sync(cm, inter_node, num_pipelines, params, last_params)
+
     def cost(num_pipelines: int, template: Template) -> SyncCost:
-        return pipeline_sync(cm, inter_node, num_pipelines, template.max_params, template.last_params)
+        # by the two sizes it depends on: templates share them (and hashing a template is slow)
+        return priced(num_pipelines, template.max_params, template.last_params)
 
     def many(num_pipelines: int, templates: Sequence[Template]) -> np.ndarray:
         return np.array([cost(num_pipelines, t).exposed_s(t.hide_s) for t in templates], dtype=float)

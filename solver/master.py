@@ -372,48 +372,6 @@ class Master:
                 best = (s, [t] * n)
         return best
 
-    def greedy_plan(self, tau: float, cap: float) -> list[Template] | None:
-        """A plan within tau and overhead cap found greedily, mixing templates, or None (no proof)."""
-        k = self.capacity(tau)
-        most = self.most_pipelines(cap)
-        live = [i for i in np.flatnonzero(k) if most[i] >= 1]
-        orders = (
-            sorted(live, key=lambda i: -k[i] / self.templates[i].num_gpus),  # micro-batches per GPU
-            sorted(live, key=lambda i: -k[i]),  # fewest pipelines
-        )
-        for order in orders:
-            chosen: list[int] = []
-            covered = stages = 0
-            limit = self.p_max
-            packing = Packing([max(self.capacities)] if self.single_node else self.capacities)
-            while covered < self.N:
-                for i in order:
-                    t = self.templates[i]
-                    if stages + t.num_stages > self.N or len(chosen) >= min(limit, most[i]):
-                        continue
-                    runs = [t.num_gpus] if self.single_node else t.run_sizes
-                    grown = packing.add(runs)
-                    if grown is not None:
-                        packing = grown
-                        chosen.append(i)
-                        covered, stages, limit = (
-                            covered + int(k[i]),
-                            stages + t.num_stages,
-                            min(limit, most[i]),
-                        )
-                        break
-                else:
-                    break
-            pipes = [self.templates[i] for i in chosen]
-            if covered >= self.N and len(pipes) >= self.p_min and self._overhead_units(pipes) <= cap:
-                return pipes
-        return None
-
-    def _overhead_units(self, pipes: Sequence[Template]) -> int:
-        scale = self.scale
-        priced = [(self.sync(len(pipes), t), t.hide_s) for t in set(pipes)]
-        return scale(plan_sync_s(priced)) + scale(max(t.optimizer_s for t in pipes))
-
     def _packs(self, pipes: Sequence[Template]) -> bool:
         runs = tuple(sorted((r for t in pipes for r in t.run_sizes), reverse=True))
         if self.single_node:
@@ -518,7 +476,8 @@ class Master:
         allowed = self.most_pipelines(cap) if math.isfinite(cap) else np.full(len(self.templates), self.p_max)
         live = [i for i in live if allowed[i] >= counts[0]]  # the others allow no count left
         model = cp_model.CpModel()
-        n = {i: model.NewIntVar(0, min(self.copies[i], int(allowed[i]), counts[-1]), f"n{i}") for i in live}
+        upper = {i: min(self.copies[i], int(allowed[i]), counts[-1]) for i in live}
+        n = {i: model.NewIntVar(0, upper[i], f"n{i}") for i in live}
         model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)
         model.Add(sum(int(k[i]) * n[i] for i in live) >= self.N)
         # P as one-hot b[P] over the counts the relaxations leave; sync grows with P, and the
@@ -529,7 +488,7 @@ class Master:
         model.Add(sum(n.values()) == sum(P * b[P] for P in counts))
         rows = [P - 1 for P in counts]
         scale = self.scale
-        top = max(int(self.reduce_units[i, -1] + self.floor_units[i, -1]) for i in live)
+        top = max(int(self.reduce_units[i, rows[-1]] + self.floor_units[i, rows[-1]]) for i in live)
         x = model.NewIntVar(0, top, "sync")
         # the plan's hide window: the least of its pipelines' (costmodel.estimate.plan_sync_s)
         h = model.NewIntVar(0, max(scale(self.templates[i].hide_s) for i in live), "hide")
@@ -537,7 +496,7 @@ class Master:
         for i in live:
             t = self.templates[i]
             used = model.NewBoolVar(f"used{i}")
-            model.Add(n[i] <= self.copies[i] * used)
+            model.Add(n[i] <= upper[i] * used)
             model.Add(n[i] >= used)
             banned = [b[P] for P in counts if allowed[i] < P]
             if banned:  # the template rules out more pipelines: one clique with the counts it bans
@@ -644,9 +603,8 @@ def solve_master(
         """Is there a plan within taus[j] with overhead <= cap (units)? (None: not decided in time),
         and the least candidate index the plan found shows feasible."""
         quick = master.copies_plan(taus[j], cap)
-        pipes = quick[1] if quick else master.greedy_plan(taus[j], cap)
-        if pipes:
-            return True, offer(pipes, None)
+        if quick:
+            return True, offer(quick[1], None)
         status, _, pipes, patterns = master.solve_at(taus[j], cap, left(), minimise=False)
         if status == cp_model.INFEASIBLE:
             return False, None
