@@ -40,8 +40,8 @@ Most fixed-tau questions that have no plan are settled before CP-SAT by two rela
 pipeline count P: the micro-batches P pipelines can hold at all, and a knapsack of P pipelines over
 the cluster's GPUs (`Master.possible_counts`). The counts they leave are the only ones the CP-SAT
 model offers (its one-hot b_P and the sync terms weighted by it shrink to them, and so does its LP
-relaxation, which is what proves most answers: 0.33x CP-SAT time on the solver benchmark's
-llama2-7b cases). The overhead floor per tau (`Master.least_overhead`) keeps the bisection to
+relaxation, which is what proves most answers: 0.33x and 0.43x CP-SAT time on llama2-7b on
+8,8,8,7 and 8+7). The overhead floor per tau (`Master.least_overhead`) keeps the bisection to
 candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
