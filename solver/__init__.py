@@ -410,7 +410,10 @@ def _solve_pass(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
                 f"has all {cluster.gpus_per_node} GPUs (gpus_per_node)."
             )
-        outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
+        if math.isinf(upper_bound_s):  # the search Elastor's ran for its node-drop seed: memoised
+            outcome = _dropped(profile, healthy, gbs, sizes, time_limit_s, limits, mode)
+        else:
+            outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
         plan = outcome.plan
         info["nodes"] = [n.name for n in healthy.nodes]
     elif method == "uniform":
@@ -582,13 +585,19 @@ def _baseline_plans(
     ]
     whole = cluster.whole_nodes()
     if whole is not None and len(whole.nodes) < len([n for n in cluster.nodes if n.gpus]):
-        # Clusters that differ only in their partial nodes drop to the same one: solve it once.
-        key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
-        dropped = _DROPPED.get(
-            (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
-        )
+        dropped = _dropped(profile, whole, gbs, sizes, time_limit_s, limits, mode)
         found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
     return [f for f in found if f]
+
+
+def _dropped(profile, whole: ClusterSpec, gbs, sizes, time_limit_s, limits, mode: Pass) -> Outcome:
+    """Elastor's search on the full nodes `whole` (node-drop), once per profile and full nodes:
+    clusters that differ only in their partial nodes drop to the same ones (a what-if sweep), and
+    `elastor plan --compare` asks for node-drop after Elastor's search has run it as a seed."""
+    key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
+    return _DROPPED.get(
+        (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
+    )
 
 
 def _reason(profile, cluster, gbs, sizes, method) -> str:

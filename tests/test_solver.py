@@ -278,6 +278,22 @@ def test_skeletons_of_one_tp_group_per_node_go_deeper():
     assert most_runs(3) == 6
 
 
+def test_node_drop_after_elastor_reuses_the_search_elastor_ran_as_its_seed(p7, monkeypatch):
+    """`elastor plan --compare` solves node-drop after Elastor, whose search already ran node-drop's
+    on the full nodes: the second solve takes that answer instead of searching again."""
+    cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
+    fresh = solver.solve(p7, cluster, 128, method="node-drop")
+    solver.solve(p7, cluster, 128)
+    searched = []
+    real = solver._elastor
+    monkeypatch.setattr(
+        solver, "_elastor", lambda *args, **kwargs: searched.append(1) or real(*args, **kwargs)
+    )
+    again = solver.solve(p7, cluster, 128, method="node-drop")
+    assert not searched
+    assert again.predicted == fresh.predicted and again.pipelines == fresh.pipelines
+
+
 def test_baseline_families_keep_their_shape(p7):
     cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
     uniform = solver.solve(p7, cluster, 128, method="uniform")
