@@ -410,7 +410,7 @@ def _solve_pass(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
                 f"has all {cluster.gpus_per_node} GPUs (gpus_per_node)."
             )
-        if math.isinf(upper_bound_s):  # the search Elastor's ran for its node-drop seed: memoised
+        if math.isinf(upper_bound_s):  # Elastor's search runs this one for its seed: memoised
             outcome = _dropped(profile, healthy, gbs, sizes, time_limit_s, limits, mode)
         else:
             outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
