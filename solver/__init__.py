@@ -410,7 +410,7 @@ def _solve_pass(
                 f"node-drop needs a fully healthy node, and no node of cluster {cluster.short_form()} "
                 f"has all {cluster.gpus_per_node} GPUs (gpus_per_node)."
             )
-        if math.isinf(upper_bound_s):  # Elastor's search runs this one for its seed: memoised
+        if math.isinf(upper_bound_s):  # memoised: Elastor's searches on these nodes take it as a seed
             outcome = _dropped(profile, healthy, gbs, sizes, time_limit_s, limits, mode)
         else:
             outcome = _elastor(profile, healthy, gbs, sizes, time_limit_s, limits, mode, upper_bound_s)
@@ -500,22 +500,59 @@ def _elastor(
     profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan, so the
-    baselines run first: their pipelines join the templates, and the best of their plans bounds the
-    search, which then only looks for a faster one (and returns that baseline plan, proven optimal
-    in the family with its pipelines, when there is none). The node-drop baseline is one of them: a
-    family of the search space is not closed under adding GPUs (on 255 full nodes and one of 7 GPUs
-    it can miss the plan it finds on the 255 full nodes alone), and Elastor must never lose to
-    dropping the partial nodes.
+    uniform and pow2-greedy baselines run first: their pipelines join the templates, and the best of
+    their plans bounds the search, which then only looks for a faster one (and returns that baseline
+    plan, proven optimal in the family with its pipelines, when there is none).
+
+    Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
+    and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must
+    never lose to dropping the partial nodes. Its search is a whole solve, so it runs after Elastor's
+    and looks only for a plan faster than Elastor's answer (bounded that way it ends at its first
+    bounds); where it finds one, Elastor's search runs again with its pipelines joined. A node-drop
+    search memoised by an earlier solve (`_dropped`: a what-if sweep, `--compare`) seeds the search
+    from the start instead.
 
     With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
-    first. Each template is offered there beside its best variant unless the variant is no slower
-    at any micro-batch count (`lower_envelope`), so a proven optimum with chunks is no slower than
-    the optimum without. A search with chunks stopped by its time limit proves nothing: the search
-    without chunks then runs, seeded with its plan and looking only for a faster one, so the answer
-    is never slower than the search without chunks would give."""
+    first (`_searched`)."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
-    complete = (limits or plan_limits(profile, capacities)).complete
-    found = [] if complete else _baseline_plans(profile, cluster, gbs, sizes, time_limit_s, limits, mode)
+    if (limits or plan_limits(profile, capacities)).complete:
+        return _searched(
+            profile, cluster, gbs, sizes, time_limit_s, limits, mode, [], upper_bound_s, progress
+        )
+    found = _baseline_plans(profile, cluster, gbs, sizes, mode)
+    whole = cluster.whole_nodes()
+    partial = whole is not None and len(whole.nodes) < len(capacities)
+    known = (
+        _DROPPED.peek((profile,), _dropped_key(whole, gbs, sizes, time_limit_s, limits, mode))
+        if partial
+        else None
+    )
+    if known is not None and known.plan is not None:
+        found.append((known.objective_s, known.plan))
+    outcome = _searched(
+        profile, cluster, gbs, sizes, time_limit_s, limits, mode, found, upper_bound_s, progress
+    )
+    if not partial or known is not None:
+        return outcome
+    bound = min(upper_bound_s, outcome.objective_s)
+    dropped = _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode, bound)
+    if dropped.plan is None or dropped.objective_s >= bound:
+        return outcome
+    found.append((dropped.objective_s, dropped.plan))
+    return _searched(profile, cluster, gbs, sizes, time_limit_s, limits, mode, found, upper_bound_s, progress)
+
+
+def _searched(
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, upper_bound_s, progress
+) -> Outcome:
+    """Elastor's search of pass `mode`, seeded with the (step time, plan) pairs `found`.
+
+    With interleaving the search with chunks runs first. Each template is offered there beside its
+    best variant unless the variant is no slower at any micro-batch count (`lower_envelope`), so a
+    proven optimum with chunks is no slower than the optimum without. A search with chunks stopped
+    by its time limit proves nothing: the search without chunks then runs, seeded with its plan and
+    looking only for a faster one, so the answer is never slower than the search without chunks
+    would give."""
     search_with = functools.partial(
         _seeded_search,
         profile,
@@ -573,31 +610,28 @@ def _seeded_search(
     return outcome
 
 
-def _baseline_plans(
-    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass
-) -> list[tuple[float, Plan]]:
-    """(step time, plan) of uniform and pow2-greedy in every mode of the pass, and of node-drop
-    where some node is partial (Elastor's search on the full nodes, once per such cluster)."""
+def _baseline_plans(profile, cluster, gbs, sizes, mode: Pass) -> list[tuple[float, Plan]]:
+    """(step time, plan) of uniform and pow2-greedy in every mode of the pass."""
     found = [
         family(profile, cluster, gbs, sizes, recompute)
         for family in (baselines.uniform, baselines.pow2_greedy)
         for recompute in mode.modes
     ]
-    whole = cluster.whole_nodes()
-    if whole is not None and len(whole.nodes) < len([n for n in cluster.nodes if n.gpus]):
-        dropped = _dropped(profile, whole, gbs, sizes, time_limit_s, limits, mode)
-        found.append((dropped.objective_s, dropped.plan) if dropped.plan else None)
     return [f for f in found if f]
 
 
 def _dropped(profile, whole: ClusterSpec, gbs, sizes, time_limit_s, limits, mode: Pass) -> Outcome:
-    """Elastor's search on the full nodes `whole` (node-drop), once per profile and full nodes:
+    """Node-drop's search (Elastor's on the full nodes `whole`), once per profile and full nodes:
     clusters that differ only in their partial nodes drop to the same ones (a what-if sweep), and
-    `elastor plan --compare` asks for node-drop after Elastor's search has run it as a seed."""
-    key = (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
+    Elastor's search on any of them takes it as a seed (`_elastor`)."""
+    key = _dropped_key(whole, gbs, sizes, time_limit_s, limits, mode)
     return _DROPPED.get(
         (profile,), key, lambda: _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode)
     )
+
+
+def _dropped_key(whole: ClusterSpec, gbs, sizes, time_limit_s, limits, mode: Pass) -> tuple:
+    return (json.dumps(whole.to_json(), sort_keys=True), gbs, tuple(sizes), time_limit_s, limits, mode)
 
 
 def _reason(profile, cluster, gbs, sizes, method) -> str:

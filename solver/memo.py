@@ -23,6 +23,11 @@ class IdentityMemo(Generic[Value]):
         self.limit = limit
         self._entries: dict[tuple, tuple[tuple, Value]] = {}
 
+    def peek(self, objects: tuple, key: Hashable) -> Value | None:
+        """The value of (identities of objects, key) if it was built, else None (builds nothing)."""
+        hit = self._entries.get((tuple(id(o) for o in objects), key))
+        return None if hit is None else hit[1]
+
     def get(self, objects: tuple, key: Hashable, build: Callable[[], Value]) -> Value:
         full = (tuple(id(o) for o in objects), key)
         hit = self._entries.get(full)

@@ -3,6 +3,7 @@ against the cost model, the baselines and the one-sentence infeasibility errors.
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pandas as pd
@@ -279,21 +280,31 @@ def test_skeletons_of_one_tp_group_per_node_go_deeper():
     assert most_runs(3) == 6
 
 
-def test_node_drop_after_elastor_reuses_the_search_elastor_ran_as_its_seed(p7, monkeypatch):
-    """`elastor plan --compare` solves node-drop after Elastor, whose search already ran node-drop's
-    on the full nodes: the second solve takes that answer instead of searching again."""
+def test_elastor_searches_the_full_nodes_only_for_a_plan_faster_than_its_own(p7, monkeypatch):
+    """Node-drop's search runs after Elastor's, bounded by Elastor's answer; a node-drop search an
+    earlier solve memoised (a sweep, `--compare`) seeds Elastor's instead, with no search again."""
     cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
-    fresh = solver.solve(p7, cluster, 128, method="node-drop")
-    profile = dataclasses.replace(p7)  # a profile no solve has seen: only Elastor's seed is memoised
-    solver.solve(profile, cluster, 128)
+    whole = cluster.whole_nodes()
+    profile = dataclasses.replace(p7)  # a profile no solve has seen: nothing memoised for it
     searched = []
     real = solver._elastor
-    monkeypatch.setattr(
-        solver, "_elastor", lambda *args, **kwargs: searched.append(1) or real(*args, **kwargs)
-    )
-    again = solver.solve(profile, cluster, 128, method="node-drop")
-    assert not searched
-    assert again.predicted == fresh.predicted and again.pipelines == fresh.pipelines
+
+    def spy(profile, cluster, *args):
+        searched.append((len(cluster.devices), args[5] if len(args) > 5 else math.inf))
+        return real(profile, cluster, *args)
+
+    monkeypatch.setattr(solver, "_elastor", spy)
+    plan = solver.solve(profile, cluster, 128)
+    step = plan.predicted["step_time_s"]
+    assert [gpus for gpus, _ in searched] == [23, 16]
+    assert searched[1][1] == pytest.approx(step, rel=1e-9)  # bounded by Elastor's answer
+    searched.clear()
+    dropped = solver.solve(profile, cluster, 128, method="node-drop")  # a whole search, memoised
+    assert searched == [(16, math.inf)] and dropped.predicted["step_time_s"] >= step * (1 - 1e-12)
+    searched.clear()
+    again = solver.solve(profile, cluster, 128)
+    assert searched == [(23, math.inf)]  # node-drop's answer seeds it: the full nodes are not searched
+    assert again.predicted == plan.predicted and again.pipelines == plan.pipelines
 
 
 def test_baseline_families_keep_their_shape(p7):
