@@ -41,8 +41,11 @@ pipeline count P: the micro-batches P pipelines can hold at all, and a knapsack 
 the cluster's GPUs (`Master.possible_counts`). The counts they leave are the only ones the CP-SAT
 model offers (its one-hot b_P and the sync terms weighted by it shrink to them, and so does its LP
 relaxation, which is what proves most answers: 0.33x and 0.43x CP-SAT time on llama2-7b on
-8,8,8,7 and 8+7). The overhead floor per tau (`Master.least_overhead`) keeps the bisection to
-candidates that could still beat the best plan.
+8,8,8,7 and 8+7). Under an overhead cap, the same relaxations run once more per least hide window
+(`Master.coupled_counts`): a plan's sync is priced behind its pipelines' least window, so a template
+whose reduction is large cannot join one whose window is small; on llama2-7b 8,8,8,7 that settles 17
+of the 22 questions CP-SAT used to prove infeasible. The overhead floor per tau
+(`Master.least_overhead`) keeps the bisection to candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
 so rounding cannot reorder plans that differ by more than that; tau stays a float. A plan made of copies
@@ -353,6 +356,8 @@ class Master:
                 floors[i, P - 1] = scale(s.floor_s + s.gather_s)
                 reduces[i, P - 1] = scale(s.reduce_s + s.gather_s)
         self.units, self.floor_units, self.reduce_units = units, floors, reduces
+        self.hide_units = np.array([scale(t.hide_s) for t in self.templates], dtype=np.int64)
+        self.optimizer_units = np.array([scale(t.optimizer_s) for t in self.templates], dtype=np.int64)
 
     def most_pipelines(self, cap: float) -> np.ndarray:
         """Per template, the most pipelines a plan using it can have within overhead cap (units)."""
@@ -424,6 +429,61 @@ class Master:
                 out.append(P)
         return out[::-1]
 
+    def coupled_counts(self, k: np.ndarray, live: list[int], cap: float, counts: list[int]) -> list[int]:
+        """Of `counts`, those that the coverage and knapsack relaxations still leave once the plan's
+        sync couples its templates (within overhead cap, in units).
+
+        A plan's sync is priced behind its pipelines' least hide window H (`plan_sync_s`, the CP-SAT
+        model's h): every template t it uses has H <= hide_t and max(floor_t, reduce_t - H) + O_t
+        within the cap, so t is admissible at H only for H in [reduce_t + O_t - cap, hide_t]. A plan
+        of P pipelines whose least window is template j's uses only the templates admissible at
+        hide_j, so some j must leave a set that covers N micro-batches with P pipelines (the
+        relaxations of `possible_counts`, the knapsack over GPU counts exact per set). One template
+        alone is checked by `most_pipelines`; mixing a template whose reduction is large with one
+        whose window is small is what this rules out (on llama2-7b 8,8,8,7, 17 of the 22 questions
+        CP-SAT proved infeasible)."""
+        gpus = sum(self.capacities)
+        idx = np.array(live)
+        kk, width, stages = k[idx].astype(float), self.G[idx], self.p[idx]
+        hide, opt = self.hide_units[idx], self.optimizer_units[idx]
+        copies = np.array(self.copies)[idx]
+        left = []
+        for P in counts:
+            row = P - 1
+            low = self.reduce_units[idx, row] + opt - cap  # the least window t tolerates
+            ok = (self.floor_units[idx, row] + opt <= cap) & (low <= hide)
+            windows = np.unique(hide[ok])
+            if not len(windows):
+                continue
+            # admissible[w, t]: template t is admissible where the least window is windows[w]
+            admissible = ok & (low[None, :] <= windows[:, None]) & (hide[None, :] >= windows[:, None])
+            held = np.where(admissible, kk, 0.0)
+            covers = (
+                (P * held.max(axis=1) >= self.N)
+                & (gpus * (held / width).max(axis=1) >= self.N)
+                & ((np.minimum(copies, P) * held).sum(axis=1) >= self.N)
+                & (P * np.where(admissible, stages, self.N + 1).min(axis=1) <= self.N)
+            )
+            if not covers.any():
+                continue
+            # Knapsack per window: P pipelines on at most the GPUs; only the best capacity of each
+            # GPU count matters, and windows with the same bests ask the same question.
+            sizes = np.unique(width)
+            best = np.stack([held[covers][:, width == g].max(axis=1) for g in sizes], axis=1)
+            best = np.unique(best, axis=0)
+            table = np.full((len(best), P + 1, gpus + 1), -np.inf)
+            table[:, 0, 0] = 0.0
+            for g, value in zip(sizes.tolist(), best.T, strict=True):
+                if g > gpus:
+                    continue
+                for c in range(1, P + 1):
+                    np.maximum(
+                        table[:, c, g:], table[:, c - 1, : gpus + 1 - g] + value[:, None], out=table[:, c, g:]
+                    )
+            if (table[:, P].max(axis=1) >= self.N).any():
+                left.append(P)
+        return left
+
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
         """Within tau a template is only its capacity k, stages p, W, O and footprint: drop one when
         another is no worse in all of them (more k, fewer p, ...) and packs wherever it does."""
@@ -453,6 +513,8 @@ class Master:
         k = self.capacity(tau)
         live = list(np.flatnonzero(k))
         counts = self.possible_counts(k, live, cap) if live else []
+        if counts and math.isfinite(cap):
+            counts = self.coupled_counts(k, live, cap, counts)
         if not counts:
             return cp_model.INFEASIBLE, None, None, None
         live = self._undominated(k, live)

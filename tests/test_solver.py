@@ -6,19 +6,21 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pandas as pd
 import pytest
 from helpers import TIED_TINY
+from ortools.sat.python import cp_model
 from synthetic import synthetic_profile
 
 import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError
-from costmodel.estimate import CostModel
+from costmodel.estimate import CostModel, SyncCost
 from profiler.analytic import analytic_profile
 from solver import whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
-from solver.master import Packing, balance, maximal_patterns
+from solver.master import Master, Packing, _Scale, balance, maximal_patterns
 from solver.skeletons import Splitter, block_uniform, compositions, generate_skeletal, most_runs, skeletons
 from solver.stages import NO_FIT, stage_table
 from solver.templates import Packer, Template, fewest_gpus, lower_envelope, prune
@@ -110,6 +112,68 @@ def test_balance_minimises_the_slowest_pipeline():
             if sum(split) == N and all(m >= t.num_stages for t, m in zip(pipes, split, strict=True))
         )
         assert max(t.time_s(m) for t, m in zip(pipes, counts, strict=True)) == pytest.approx(best)
+
+
+def _sync_by_template(reduce_of):
+    """A sync rule for hand-made templates: reduce_of(P, template) seconds, nothing unhidable."""
+    return lambda P, t: SyncCost(reduce_of(P, t), 0.0, 0.0)
+
+
+def test_a_plan_cannot_mix_a_large_reduction_with_a_small_hide_window():
+    """Two templates each within the overhead cap alone, but a plan of both waits for the large
+    reduction behind the small window: the coupled relaxation rules P = 2 out, as CP-SAT does."""
+    big = Template(((0, 1, 6),), (0,), 1.0, 1.0, 100, 0.0, hide_s=1.0)  # 3 micro-batches within tau 3
+    small = Template(((0, 1, 2),), (0,), 1.0, 3.0, 10, 0.0, hide_s=0.0)  # 1 micro-batch within tau 3
+    sync = _sync_by_template(lambda P, t: 0.9 if t is big else (0.1 if P <= 2 else 5.0))
+    master = Master([big, small], [8], 4, sync, single_node=True)
+    master.set_scale(_Scale(0.01))
+    k = master.capacity(3.0)
+    assert k.tolist() == [3, 1]
+    cap = 50  # units of 0.01 s: either template's sync alone is within it, both together (0.9) not
+    assert 2 in master.possible_counts(k, [0, 1], cap)
+    assert master.coupled_counts(k, [0, 1], cap, [2]) == []
+    status, *_ = master._model_at(k, [0, 1], cap, 10.0, False, [2])
+    assert status == cp_model.INFEASIBLE
+    assert master.coupled_counts(k, [0, 1], 95, [2]) == [2]  # a cap above the mix's 0.9 s admits it
+
+
+def test_the_coupled_relaxation_never_drops_a_count_cp_sat_can_plan():
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(150):
+        templates = []
+        for _ in range(rng.randint(2, 6)):
+            p = rng.randint(1, 3)
+            stages = tuple((0, 1, rng.choice([1, 2, 4])) for _ in range(p))
+            runs = tuple(sorted(rng.randint(0, 1) for _ in range(p)))
+            runs = tuple(r - runs[0] for r in runs)
+            runs = tuple(0 if i == 0 else min(runs[i], runs[i - 1] + 1) for i in range(p))
+            a, m = rng.uniform(1, 3), rng.uniform(0.2, 1)
+            templates.append(
+                Template(stages, runs, a, m, rng.randint(1, 9), rng.uniform(0, 0.2), hide_s=rng.uniform(0, 1))
+            )
+        weight = {id(t): rng.uniform(0.1, 1.0) for t in templates}
+        sync = _sync_by_template(lambda P, t, w=weight: 0.0 if P == 1 else w[id(t)] * (1 - 1 / P))
+        capacities = rng.choice([[8], [8, 7], [4, 4, 2]])
+        master = Master(templates, capacities, rng.randint(4, 12), sync, single_node=len(capacities) == 1)
+        master.set_scale(_Scale(0.001))
+        tau = rng.uniform(2, 8)
+        k = master.capacity(tau)
+        live = [int(i) for i in np.flatnonzero(k)]
+        if not live:
+            continue
+        cap = rng.uniform(100, 1200)
+        counts = master.possible_counts(k, live, cap)
+        if not counts:
+            continue
+        kept = master.coupled_counts(k, live, cap, counts)
+        for P in counts:
+            status, *_ = master._model_at(k, live, cap, 10.0, False, [P])
+            assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.FEASIBLE)
+            if status != cp_model.INFEASIBLE:
+                assert P in kept, (P, kept)
+            checked += 1
+    assert checked >= 50
 
 
 # ---- skeletons ------------------------------------------------------------------------------------
@@ -284,7 +348,6 @@ def test_elastor_searches_the_full_nodes_only_for_a_plan_faster_than_its_own(p7,
     """Node-drop's search runs after Elastor's, bounded by Elastor's answer; a node-drop search an
     earlier solve memoised (a sweep, `--compare`) seeds Elastor's instead, with no search again."""
     cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
-    whole = cluster.whole_nodes()
     profile = dataclasses.replace(p7)  # a profile no solve has seen: nothing memoised for it
     searched = []
     real = solver._elastor
