@@ -44,7 +44,9 @@ relaxation, which is what proves most answers: 0.33x and 0.43x CP-SAT time on ll
 8,8,8,7 and 8+7). Under an overhead cap, the same relaxations run once more per least hide window
 (`Master.coupled_counts`): a plan's sync is priced behind its pipelines' least window, so a template
 whose reduction is large cannot join one whose window is small; on llama2-7b 8,8,8,7 that settles 17
-of the 22 questions CP-SAT used to prove infeasible. The overhead floor per tau
+of the 22 questions CP-SAT used to prove infeasible. Where a knapsack there reaches N, its pipelines
+are tried as a plan (`Master.witnessed_plan`: they must pack and keep the cap), which settles a
+question that has a plan without CP-SAT. The overhead floor per tau
 (`Master.least_overhead`) keeps the bisection to candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
@@ -429,7 +431,9 @@ class Master:
                 out.append(P)
         return out[::-1]
 
-    def coupled_counts(self, k: np.ndarray, live: list[int], cap: float, counts: list[int]) -> list[int]:
+    def coupled_counts(
+        self, k: np.ndarray, live: list[int], cap: float, counts: list[int], witnesses: dict | None = None
+    ) -> list[int]:
         """Of `counts`, those that the coverage and knapsack relaxations still leave once the plan's
         sync couples its templates (within overhead cap, in units).
 
@@ -441,7 +445,8 @@ class Master:
         relaxations of `possible_counts`, the knapsack over GPU counts exact per set). One template
         alone is checked by `most_pipelines`; mixing a template whose reduction is large with one
         whose window is small is what this rules out (on llama2-7b 8,8,8,7, 17 of the 22 questions
-        CP-SAT proved infeasible)."""
+        CP-SAT proved infeasible). `witnesses` receives, per count left, the pipelines of a knapsack
+        that reaches N (`witnessed_plan` checks whether they make a plan)."""
         gpus = sum(self.capacities)
         idx = np.array(live)
         kk, width, stages = k[idx].astype(float), self.G[idx], self.p[idx]
@@ -469,8 +474,9 @@ class Master:
             # Knapsack per window: P pipelines on at most the GPUs; only the best capacity of each
             # GPU count matters, and windows with the same bests ask the same question.
             sizes = np.unique(width)
-            best = np.stack([held[covers][:, width == g].max(axis=1) for g in sizes], axis=1)
-            best = np.unique(best, axis=0)
+            reach = np.where(admissible[covers], kk, -np.inf)  # sizes no admissible template has: none
+            best = np.stack([reach[:, width == g].max(axis=1) for g in sizes], axis=1)
+            best, first = np.unique(best, axis=0, return_index=True)
             table = np.full((len(best), P + 1, gpus + 1), -np.inf)
             table[:, 0, 0] = 0.0
             for g, value in zip(sizes.tolist(), best.T, strict=True):
@@ -480,9 +486,39 @@ class Master:
                     np.maximum(
                         table[:, c, g:], table[:, c - 1, : gpus + 1 - g] + value[:, None], out=table[:, c, g:]
                     )
-            if (table[:, P].max(axis=1) >= self.N).any():
+            reached = table[:, P].max(axis=1) >= self.N
+            if reached.any():
                 left.append(P)
+                if witnesses is not None:
+                    r = int(reached.argmax())
+                    window = windows[np.flatnonzero(covers)[first[r]]]
+                    members = idx[admissible[np.searchsorted(windows, window)]]
+                    witnesses[P] = _knapsack_items(table[r], sizes.tolist(), best[r], P, self.N), members
         return left
+
+    def witnessed_plan(self, k: np.ndarray, cap: float, witnesses: dict) -> list[Template] | None:
+        """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: per GPU count
+        the template of that capacity with the fewest stages, then the CP-SAT model's own tests (the
+        stages fit the micro-batches, the runs pack, the overhead in units is within the cap)."""
+        for P, (items, members) in sorted(witnesses.items()):
+            pipes = []
+            for g, value in items:
+                fit = [i for i in members if self.G[i] == g and k[i] == value]
+                pipes.append(min(fit, key=lambda i: (self.p[i], self.units[i, P - 1])))
+            if sum(int(self.p[i]) for i in pipes) > self.N or sum(int(k[i]) for i in pipes) < self.N:
+                continue
+            used = sorted(set(pipes))
+            sync = max(
+                max(int(self.floor_units[i, P - 1]) for i in used),
+                max(int(self.reduce_units[i, P - 1]) for i in used)
+                - min(int(self.hide_units[i]) for i in used),
+            )
+            if sync + max(int(self.optimizer_units[i]) for i in used) > cap:
+                continue
+            plan = [self.templates[i] for i in pipes]
+            if self._packs(plan):
+                return plan
+        return None
 
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
         """Within tau a template is only its capacity k, stages p, W, O and footprint: drop one when
@@ -514,7 +550,11 @@ class Master:
         live = list(np.flatnonzero(k))
         counts = self.possible_counts(k, live, cap) if live else []
         if counts and math.isfinite(cap):
-            counts = self.coupled_counts(k, live, cap, counts)
+            witnesses: dict = {}
+            counts = self.coupled_counts(k, live, cap, counts, None if minimise else witnesses)
+            plan = self.witnessed_plan(k, cap, witnesses) if witnesses else None
+            if plan is not None:  # a plan within the cap: the question is settled without CP-SAT
+                return cp_model.OPTIMAL, None, plan, None
         if not counts:
             return cp_model.INFEASIBLE, None, None, None
         live = self._undominated(k, live)
@@ -607,6 +647,20 @@ class Master:
         patterns = [(c, q, solver.Value(y)) for c, q, y in ys]
         value = solver.Value(x) + solver.Value(o) if minimise else None
         return status, value, pipes, patterns
+
+
+def _knapsack_items(table: np.ndarray, sizes: list[int], values: np.ndarray, count: int, need: int):
+    """(GPU count, capacity) of the `count` items behind a knapsack table's best entry that reaches
+    `need` (table[c, g]: the most capacity of c items on exactly g GPUs, built from `values`)."""
+    g = int(np.argmax(table[count]))
+    items = []
+    for c in range(count, 0, -1):
+        for size, value in zip(sizes, values.tolist(), strict=True):
+            if size <= g and table[c - 1, g - size] + value == table[c, g]:
+                items.append((size, value))
+                g -= size
+                break
+    return items
 
 
 def solve_master(

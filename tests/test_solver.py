@@ -20,7 +20,7 @@ from profiler.analytic import analytic_profile
 from solver import whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
-from solver.master import Master, Packing, _Scale, balance, maximal_patterns
+from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s
 from solver.skeletons import Splitter, block_uniform, compositions, generate_skeletal, most_runs, skeletons
 from solver.stages import NO_FIT, stage_table
 from solver.templates import Packer, Template, fewest_gpus, lower_envelope, prune
@@ -134,12 +134,14 @@ def test_a_plan_cannot_mix_a_large_reduction_with_a_small_hide_window():
     assert master.coupled_counts(k, [0, 1], cap, [2]) == []
     status, *_ = master._model_at(k, [0, 1], cap, 10.0, False, [2])
     assert status == cp_model.INFEASIBLE
-    assert master.coupled_counts(k, [0, 1], 95, [2]) == [2]  # a cap above the mix's 0.9 s admits it
+    witnesses = {}
+    assert master.coupled_counts(k, [0, 1], 95, [2], witnesses) == [2]  # a cap above the mix's 0.9 s
+    assert sorted(map(id, master.witnessed_plan(k, 95, witnesses))) == sorted([id(big), id(small)])
 
 
-def test_the_coupled_relaxation_never_drops_a_count_cp_sat_can_plan():
+def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnesses_are_plans():
     rng = random.Random(5)
-    checked = 0
+    checked = witnessed = 0
     for _ in range(150):
         templates = []
         for _ in range(rng.randint(2, 6)):
@@ -166,14 +168,22 @@ def test_the_coupled_relaxation_never_drops_a_count_cp_sat_can_plan():
         counts = master.possible_counts(k, live, cap)
         if not counts:
             continue
-        kept = master.coupled_counts(k, live, cap, counts)
+        witnesses = {}
+        kept = master.coupled_counts(k, live, cap, counts, witnesses)
+        plan = master.witnessed_plan(k, cap, witnesses)
+        if plan is not None:  # a plan the CP-SAT model would accept: it covers, packs, keeps the cap
+            held = [int(k[master.templates.index(t)]) for t in plan]
+            assert sum(t.num_stages for t in plan) <= master.N <= sum(held)
+            assert master._packs(plan)
+            assert overhead_s(plan, sync) <= cap * 0.001 + 1e-9
+            witnessed += 1
         for P in counts:
             status, *_ = master._model_at(k, live, cap, 10.0, False, [P])
             assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.FEASIBLE)
             if status != cp_model.INFEASIBLE:
                 assert P in kept, (P, kept)
             checked += 1
-    assert checked >= 50
+    assert checked >= 50 and witnessed >= 10
 
 
 # ---- skeletons ------------------------------------------------------------------------------------
