@@ -29,8 +29,9 @@ solver block (`complete: false`).
 """
 
 import bisect
+import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from costmodel.estimate import buckets_of, hide_window_s, steady_period_s
@@ -114,6 +115,7 @@ class Splitter:
             for back, inter in tab.exchange_s
         }
         self._known: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Template]] = {}
+        self._by_tps: dict[tuple[int, ...], _Splits | None] = {}
         self._by_degree: dict[tuple[int, ...], list[list[int]]] = {}
 
     def templates(self, tps: Sequence[int], runs: Sequence[int]) -> list[Template]:
@@ -134,17 +136,44 @@ class Splitter:
             stages = ((0, self.L, tps[0]),)
             terms = sync_terms(self.tables, stages, (0,))
             return [Template(stages, (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L], *terms)]
-        if p > self.n + 2:
+        split = self._splits(tps)
+        if split is None:
             return []
+        at = split.stages_at(split.lo)
+        first = self._template(tps, runs, split.kinds, at, self._p2p(tps, runs, at[0]))
+        # the smallest A at any M: only its A is needed
+        at = split.stages_at(len(split.times) - 1)
+        least = _one_micro_batch_s(at[1], self._p2p(tps, runs, at[0]))
+        found = [first]
+        for j in range(split.lo + 1, min(split.lo + 1 + MAX_EXTRA_THRESHOLDS, len(split.times))):
+            if (p - 1) * (split.times[j] - first.bottleneck_s) >= first.pipeline_s - least:
+                break  # a larger M can no longer pay for itself with a smaller A
+            at = split.stages_at(j)
+            p2p = self._p2p(tps, runs, at[0])
+            if _one_micro_batch_s(at[1], p2p) < found[-1].pipeline_s:
+                found.append(self._template(tps, runs, split.kinds, at, p2p))
+        return found
+
+    def _splits(self, tps: tuple[int, ...]) -> "_Splits | None":
+        """The block splits of a TP sequence at its time thresholds, shared by the skeletons that
+        differ only in their runs (a quarter to a third of them); None when no split fits."""
+        if tps not in self._by_tps:
+            self._by_tps[tps] = self._thresholds(tps)
+        return self._by_tps[tps]
+
+    def _thresholds(self, tps: tuple[int, ...]) -> "_Splits | None":
+        p = len(tps)
+        if p > self.n + 2:
+            return None
         kinds = [
             self.kinds[tp, "first" if s == 0 else ("last" if s == p - 1 else "middle")]
             for s, tp in enumerate(tps)
         ]
         mem = [k.reach[p - s] for s, k in enumerate(kinds)]
         if any(top < k.lo for k, top in zip(kinds, mem, strict=True)):
-            return []
+            return None
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
-            return []
+            return None
         # Per distinct kind (by identity): its stages' memory caps, sorted, and their prefix sums,
         # so that whether a time threshold's caps cover the blocks takes one bisection per kind.
         distinct: dict[int, _Kind] = {}
@@ -169,27 +198,23 @@ class Splitter:
                 total += sums[i][below] + c * (len(held[i]) - below)
             return cap if total >= self.n else None
 
-        def caps(limit: float) -> list[int]:
+        def shape(limit: float) -> _Shape:
             cap = cover(limit)
-            return [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
+            caps = [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
+            return self._shape(tps, kinds, self._blocks(tps, kinds, caps))
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
         lo = bisect.bisect_left(
             range(len(times)), True, hi=len(times) - 1, key=lambda i: cover(times[i]) is not None
         )
-        first = self._template(tps, runs, kinds, self._blocks(tps, kinds, caps(times[lo])))
-        # the smallest A at any M: only its A is needed
-        _, time, p2p = self._shape(tps, runs, kinds, self._blocks(tps, kinds, caps(times[-1])))
-        least = _one_micro_batch_s(time, p2p)
-        found = [first]
-        for limit in times[lo + 1 : lo + 1 + MAX_EXTRA_THRESHOLDS]:
-            if (p - 1) * (limit - first.bottleneck_s) >= first.pipeline_s - least:
-                break  # a larger M can no longer pay for itself with a smaller A
-            blocks = self._blocks(tps, kinds, caps(limit))
-            shape = self._shape(tps, runs, kinds, blocks)
-            if _one_micro_batch_s(shape[1], shape[2]) < found[-1].pipeline_s:
-                found.append(self._template(tps, runs, kinds, blocks, shape))
-        return found
+        return _Splits(kinds, times, lo, shape)
+
+    def _p2p(self, tps, runs, stages: tuple) -> list[float]:
+        """Each boundary's exchange of a split's stages on the skeleton's runs."""
+        return [
+            self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]][stages[s][1]]
+            for s in range(len(tps) - 1)
+        ]
 
     def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
         """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree.
@@ -250,24 +275,23 @@ class Splitter:
 
         return values[bisect.bisect_left(range(len(values)), True, key=enough)]
 
-    def _shape(self, tps, runs, kinds: list[_Kind], blocks: list[int]):
-        """The split's stages (start, end, tp), each stage's time and each boundary's exchange."""
+    def _shape(self, tps, kinds: list[_Kind], blocks: list[int]) -> "_Shape":
+        """The split's stages (start, end, tp), each stage's time, and its blocks."""
         stages, time, start, last = [], [], 0, len(tps) - 1
         for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
             end = k.end[b] if s == 0 else start + b + (s == last)
             stages.append((start, end, tps[s]))
             time.append(k.time[b])
             start = end
-        p2p = [self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]][stages[s][1]] for s in range(last)]
-        return stages, time, p2p
+        return tuple(stages), time, blocks
 
-    def _template(self, tps, runs, kinds: list[_Kind], blocks: list[int], shape=None) -> Template:
-        stages, time, p2p = shape or self._shape(tps, runs, kinds, blocks)
+    def _template(self, tps, runs, kinds: list[_Kind], shape: "_Shape", p2p: list[float]) -> Template:
+        stages, time, blocks = shape
         # what `solver.stages.sync_terms` computes, from the tables this splitter already indexed
         bwd = [self.tables[tp].bwd_s[a][e] for a, e, tp in stages]
         buckets = [k.buckets[b] for k, b in zip(kinds, blocks, strict=True)]
         return Template(
-            tuple(stages),
+            stages,
             tuple(runs),
             _one_micro_batch_s(time, p2p),
             steady_period_s(time, p2p),
@@ -276,6 +300,27 @@ class Splitter:
             hide_window_s(bwd, p2p, buckets),
             self.tables[tps[0]].params[0][1],
         )
+
+
+_Shape = tuple[tuple, list[float], list[int]]  # a split's stages, their times, their blocks
+
+
+@dataclass
+class _Splits:
+    """A TP sequence's block splits: its stage kinds, the sorted stage-time thresholds, the least
+    threshold whose caps cover the blocks, and the split at each threshold, built on first use."""
+
+    kinds: list[_Kind]
+    times: list[float]
+    lo: int
+    shape: Callable[[float], _Shape]
+    _at: dict[int, _Shape] = dataclasses.field(default_factory=dict)
+
+    def stages_at(self, j: int) -> _Shape:
+        j %= len(self.times)
+        if j not in self._at:
+            self._at[j] = self.shape(self.times[j])
+        return self._at[j]
 
 
 def _reach(fits: list[int], lo: int, n: int, in_flight: int) -> int:
