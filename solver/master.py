@@ -521,15 +521,16 @@ class Master:
         return None
 
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
-        """Within tau a template is only its capacity k, stages p, W, O and footprint: drop one when
-        another is no worse in all of them (more k, fewer p, ...) and packs wherever it does."""
+        """Within tau a template is only its capacity k, stages p, W, last-layer parameters, O, hide
+        window and footprint: drop one when another is no worse in all of them (more k, fewer p,
+        a wider window, ...) and packs wherever it does."""
         idx = np.array(live)
         kk, p, w, o, f = k[idx], self.p[idx], self.W[idx], self.O[idx], self.footprint[idx]
-        last = self.L[idx]
+        last, narrow = self.L[idx], -self.hide_units[idx]
         # better[b, a]: template b is no worse than template a in everything; same[b, a]: identical
         better = (kk[:, None] >= kk[None, :]) & self.packs_into[f[:, None], f[None, :]]
         same = (kk[:, None] == kk[None, :]) & (f[:, None] == f[None, :])
-        for x in (p, w, o, last):
+        for x in (p, w, o, last, narrow):
             better &= x[:, None] <= x[None, :]
             same &= x[:, None] == x[None, :]
         better &= ~np.tril(same)  # of equal ones the first is kept (and none beats itself)

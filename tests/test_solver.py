@@ -139,6 +139,19 @@ def test_a_plan_cannot_mix_a_large_reduction_with_a_small_hide_window():
     assert sorted(map(id, master.witnessed_plan(k, 95, witnesses))) == sorted([id(big), id(small)])
 
 
+def test_a_template_with_a_wider_hide_window_is_never_dominated_away():
+    """`small` holds fewer parameters than `wide` and is no worse in anything else the plan's cost
+    compares but its hide window: `wide` hides its whole reduction, so two copies of it sync for
+    free, and the least overhead at tau must find them."""
+    small = Template(((0, 1, 4),), (0,), 1.0, 1.0, 10, 0.0, hide_s=0.0)
+    wide = Template(((0, 1, 4),), (0,), 1.0, 1.0, 12, 0.0, hide_s=1.0)
+    sync = _sync_by_template(lambda P, t: 0.0 if P == 1 else (0.5 if t is small else 0.6))
+    master = Master([small, wide], [8], 2, sync, single_node=True)
+    master.set_scale(_Scale(0.01))
+    status, overhead, pipes, _ = master.solve_at(1.0, math.inf, 10.0, minimise=True)
+    assert status == cp_model.OPTIMAL and overhead == 0 and pipes == [wide, wide]
+
+
 def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnesses_are_plans():
     rng = random.Random(5)
     checked = witnessed = 0
