@@ -38,6 +38,14 @@ Method, a decomposition (exact with respect to the cost model):
 Symmetry is used throughout: templates see per-run GPU counts, never device names; the master sees node
 classes, never nodes; nodes with equal healthy counts and GPUs of one node are interchangeable.
 
+One gap in that exactness: hide windows. A plan's gradient sync waits behind its pipelines' least hide
+window H (`costmodel.estimate.plan_sync_s`), so a pipeline slower in A, M, W or O can still make a
+faster plan by hiding more of everyone's sync. The template programs and `solver.templates.prune`
+compare pipelines by A, M, W, O, stages and first-layer parameters only, and drop such a pipeline;
+comparing windows too kept about three times the templates (llama2-7b on 8,8,8,7: 2.7 s -> 7.5 s) and
+changed none of the benchmarks' plans. The master does compare windows among the templates it is
+given (`Master._undominated`), since it prices their sync.
+
 Precision, sequence parallelism, recomputation: a plan trains in its profile's dtype; every stage of
 TP degree > 1 whose degree divides the sequence is sequence parallel (it moves the bytes of the
 all-reduces it replaces, keeps less and computes no more, so it never loses). Recomputation trades
