@@ -497,15 +497,26 @@ class Master:
         return left
 
     def witnessed_plan(self, k: np.ndarray, cap: float, witnesses: dict) -> list[Template] | None:
-        """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: per GPU count
-        the template of that capacity with the fewest stages, then the CP-SAT model's own tests (the
-        stages fit the micro-batches, the runs pack, the overhead in units is within the cap)."""
+        """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: its pipelines,
+        largest first, each the template of its GPU count and capacity that still packs (best fit)
+        with the fewest stages, then the CP-SAT model's own tests (the stages fit the micro-batches,
+        the overhead in units is within the cap)."""
         for P, (items, members) in sorted(witnesses.items()):
-            pipes = []
-            for g, value in items:
-                fit = [i for i in members if self.G[i] == g and k[i] == value]
-                pipes.append(min(fit, key=lambda i: (self.p[i], self.units[i, P - 1])))
-            if sum(int(self.p[i]) for i in pipes) > self.N or sum(int(k[i]) for i in pipes) < self.N:
+            packing, pipes = Packing(self.capacities), []
+            for g, value in sorted(items, reverse=True):
+                fit = sorted(
+                    (i for i in members if self.G[i] == g and k[i] == value),
+                    key=lambda i: (self.p[i], self.units[i, P - 1]),
+                )
+                for i in fit:
+                    placed = packing if self.single_node else packing.add(self.templates[i].run_sizes)
+                    if placed is not None:
+                        packing = placed
+                        pipes.append(i)
+                        break
+                else:
+                    break  # no template of this size packs beside the others
+            if len(pipes) < P or sum(int(self.p[i]) for i in pipes) > self.N:
                 continue
             used = sorted(set(pipes))
             sync = max(
@@ -513,11 +524,8 @@ class Master:
                 max(int(self.reduce_units[i, P - 1]) for i in used)
                 - min(int(self.hide_units[i]) for i in used),
             )
-            if sync + max(int(self.optimizer_units[i]) for i in used) > cap:
-                continue
-            plan = [self.templates[i] for i in pipes]
-            if self._packs(plan):
-                return plan
+            if sync + max(int(self.optimizer_units[i]) for i in used) <= cap:
+                return [self.templates[i] for i in pipes]
         return None
 
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
