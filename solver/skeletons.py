@@ -417,6 +417,13 @@ def skeletons(
                         yield from once([first] * r1 + [second] * r2)
 
 
+def shared_splitter(tables: dict[int, StageTable], num_layers: int) -> Splitter:
+    """The splitter of these stage tables, shared by every search and baseline that splits with them."""
+    return _SPLITTERS.get(
+        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
+    )
+
+
 def generate_skeletal(
     tables: dict[int, StageTable],
     num_layers: int,
@@ -425,9 +432,7 @@ def generate_skeletal(
     single_node: bool,
     max_runs: int,
 ) -> list[Template]:
-    splitter = _SPLITTERS.get(
-        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
-    )
+    splitter = shared_splitter(tables, num_layers)
     packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
