@@ -29,7 +29,7 @@ from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver.core import pipeline_sync, tp_degrees
 from solver.master import balance
-from solver.skeletons import block_uniform, shared_splitter
+from solver.skeletons import Splitter, block_uniform
 from solver.stages import StageTable, exchanges_s, stage_table, sync_terms
 from solver.templates import fewest_gpus
 
@@ -376,7 +376,7 @@ class _BalancedSplit:
 
     def __init__(self, tables: dict[int, StageTable], num_layers: int, uniform_blocks: bool):
         self.L = num_layers
-        self.splitter = shared_splitter(tables, num_layers) if uniform_blocks else None
+        self.splitter = Splitter(tables, num_layers) if uniform_blocks else None
         self.arrays = {t: (np.array(tab.time_s), np.array(tab.max_in_flight)) for t, tab in tables.items()}
         self.cache: dict[tuple, list | None] = {}
 

@@ -154,6 +154,11 @@ class Splitter:
                 found.append(self._template(tps, runs, split.kinds, at, p2p))
         return found
 
+    def forget_splits(self) -> None:
+        """Drop the block splits per TP sequence (the templates stay): they serve the skeletons of
+        one family, and kept across searches they held a third of a large solve's memory."""
+        self._by_tps.clear()
+
     def _splits(self, tps: tuple[int, ...]) -> "_Splits | None":
         """The block splits of a TP sequence at its time thresholds, shared by the skeletons that
         differ only in their runs (a quarter to a third of them); None when no split fits."""
@@ -417,13 +422,6 @@ def skeletons(
                         yield from once([first] * r1 + [second] * r2)
 
 
-def shared_splitter(tables: dict[int, StageTable], num_layers: int) -> Splitter:
-    """The splitter of these stage tables, shared by every search and baseline that splits with them."""
-    return _SPLITTERS.get(
-        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
-    )
-
-
 def generate_skeletal(
     tables: dict[int, StageTable],
     num_layers: int,
@@ -432,7 +430,9 @@ def generate_skeletal(
     single_node: bool,
     max_runs: int,
 ) -> list[Template]:
-    splitter = shared_splitter(tables, num_layers)
+    splitter = _SPLITTERS.get(
+        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
+    )
     packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
@@ -441,4 +441,5 @@ def generate_skeletal(
             sizes[r] += t
         if packer.fits(tuple(sizes)):  # the pipeline fits on the nodes on its own
             out += splitter.templates(tps, runs)
+    splitter.forget_splits()
     return out
