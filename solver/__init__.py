@@ -539,10 +539,10 @@ def _elastor(
     Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
     and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must
     never lose to dropping the partial nodes. Its search is a whole solve, so it runs after Elastor's
-    and looks only for a plan faster than Elastor's answer (bounded that way it ends at its first
-    bounds); where it finds one, Elastor's search runs again with its pipelines joined. A node-drop
-    search memoised by an earlier solve (`_dropped`: a what-if sweep, `--compare`) seeds the search
-    from the start instead.
+    and looks only for a plan faster than Elastor's answer (bounded that way, most of its
+    sub-problems end at their first lower bound); where it finds one, Elastor's search runs again
+    with its pipelines joined. A node-drop search memoised by an earlier solve (`_dropped`: a
+    what-if sweep, `--compare`) seeds the search from the start instead.
 
     With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
     first (`_searched`)."""

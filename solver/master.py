@@ -486,9 +486,7 @@ class Master:
                 continue
             table = np.full((len(best), P + 1, gpus + 1), -np.inf)
             table[:, 0, 0] = 0.0
-            for g, value in zip(sizes.tolist(), best.T, strict=True):
-                if g > gpus:
-                    continue
+            for g, value in zip(sizes.tolist(), best.T, strict=True):  # no template has more GPUs
                 for c in range(1, P + 1):
                     np.maximum(
                         table[:, c, g:], table[:, c - 1, : gpus + 1 - g] + value[:, None], out=table[:, c, g:]
@@ -500,7 +498,7 @@ class Master:
                     r = int(reached.argmax())
                     window = windows[np.flatnonzero(covers)[first[r]]]
                     members = idx[admissible[np.searchsorted(windows, window)]]
-                    witnesses[P] = _knapsack_items(table[r], sizes.tolist(), best[r], P, self.N), members
+                    witnesses[P] = _knapsack_items(table[r], sizes.tolist(), best[r], P), members
         return left
 
     def witnessed_plan(self, k: np.ndarray, cap: float, witnesses: dict) -> list[Template] | None:
@@ -665,9 +663,9 @@ class Master:
         return status, value, pipes, patterns
 
 
-def _knapsack_items(table: np.ndarray, sizes: list[int], values: np.ndarray, count: int, need: int):
-    """(GPU count, capacity) of the `count` items behind a knapsack table's best entry that reaches
-    `need` (table[c, g]: the most capacity of c items on exactly g GPUs, built from `values`)."""
+def _knapsack_items(table: np.ndarray, sizes: list[int], values: np.ndarray, count: int):
+    """(GPU count, capacity) of the `count` items behind a knapsack table's best entry (table[c, g]:
+    the most capacity of c items on exactly g GPUs, built from `values`)."""
     g = int(np.argmax(table[count]))
     items = []
     for c in range(count, 0, -1):

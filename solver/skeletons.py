@@ -322,7 +322,6 @@ class _Splits:
     _at: dict[int, _Shape] = dataclasses.field(default_factory=dict)
 
     def stages_at(self, j: int) -> _Shape:
-        j %= len(self.times)
         if j not in self._at:
             self._at[j] = self.shape(self.times[j])
         return self._at[j]
