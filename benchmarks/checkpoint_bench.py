@@ -51,6 +51,7 @@ from costmodel.jsonio import write_json  # noqa: E402
 from costmodel.layout import device_pieces  # noqa: E402
 from costmodel.table import format_table  # noqa: E402
 from runtime.checkpoint import Checkpointer, load_checkpoint, wanted_for  # noqa: E402
+from runtime.distributed import leave_job  # noqa: E402  (before any group: see its module)
 from runtime.elastic.launch import free_port  # noqa: E402
 from runtime.model import Block, RMSNorm, rotary_tables  # noqa: E402
 
@@ -289,6 +290,13 @@ class LoadChecks:
 
 # ---- the worker ---------------------------------------------------------------------------------
 def worker(rank: int, args: argparse.Namespace, port: int, root: str, out: str) -> None:
+    """One rank: the benchmark, then every process group freed and joined on this thread, before
+    the interpreter's finalization (`runtime.distributed.leave_job`)."""
+    _benchmark_rank(rank, args, port, root, out)
+    leave_job()
+
+
+def _benchmark_rank(rank: int, args: argparse.Namespace, port: int, root: str, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
@@ -376,7 +384,6 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str, out: str) 
         results["dcp_checkpoint_bytes"] = sum(f.stat().st_size for f in dcp_dir.rglob("*.distcp"))
         Path(out).write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 # ---- main ---------------------------------------------------------------------------------------

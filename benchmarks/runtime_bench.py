@@ -251,7 +251,6 @@ def _dp_worker(case: str, steps: int, result: Path) -> None:
         result.write_text(
             json.dumps({"times": times, "losses": {"elastor": losses["elastor"], "ddp": ddp_losses.tolist()}})
         )
-    dist.destroy_process_group()
 
 
 def _proc_wchar() -> int:
@@ -300,7 +299,6 @@ def _sync_worker(plan_path: Path, result: Path) -> None:
     dist.all_gather_object(everyone, mine)
     if ctx.rank == 0:
         result.write_text(json.dumps(everyone))
-    dist.destroy_process_group()
 
 
 def _overlap_worker(plan_path: Path, steps: int, result: Path) -> None:
@@ -334,7 +332,6 @@ def _overlap_worker(plan_path: Path, steps: int, result: Path) -> None:
     dist.all_gather_object(everyone, mine)
     if ctx.rank == 0:
         result.write_text(json.dumps(everyone))
-    dist.destroy_process_group()
 
 
 # A gpt-tiny with 6 blocks: 8 layers, enough for 4 stages of 2 chunks.
@@ -389,7 +386,6 @@ def _interleave_worker(steps: int, result: Path) -> None:
         trainer.close()
     if ctx.rank == 0:
         result.write_text(json.dumps({"times": times, "losses": losses}))
-    dist.destroy_process_group()
 
 
 def run_interleave(steps: int, tmp: Path) -> list[dict]:
@@ -581,17 +577,18 @@ def main() -> int:
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "dp":
-        _dp_worker(args.case, args.steps, Path(args.result))
-        return 0
-    if args.worker == "sync":
-        _sync_worker(Path(args.plan), Path(args.result))
-        return 0
-    if args.worker == "overlap":
-        _overlap_worker(Path(args.plan), args.steps, Path(args.result))
-        return 0
-    if args.worker == "interleave":
-        _interleave_worker(args.steps, Path(args.result))
+    if args.worker:
+        from runtime.distributed import leave_job
+
+        if args.worker == "dp":
+            _dp_worker(args.case, args.steps, Path(args.result))
+        elif args.worker == "sync":
+            _sync_worker(Path(args.plan), Path(args.result))
+        elif args.worker == "overlap":
+            _overlap_worker(Path(args.plan), args.steps, Path(args.result))
+        else:
+            _interleave_worker(args.steps, Path(args.result))
+        leave_job()  # the worker's trainers are gone: their groups are freed and joined here
         return 0
 
     parts = set(args.parts.split(","))

@@ -151,8 +151,12 @@ class MainState:
         self._ring_worker = ThreadPoolExecutor(1, "elastor-ring") if any(h.ring for h in self.held) else None
         model.to(dtype)
         self._counts: dict[str, int] = {}
-        for name, param in self.model_params.items():
+        # Removed by `close`: a hook's closure holds this state, which holds the parameter, a cycle
+        # the collector cannot see through the tensor (it held the process groups to the exit).
+        self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook(name))
+            for name, param in self.model_params.items()
+        ]
         self.zero_grad()
 
     # ---- backward: accumulate, and issue buckets as they become ready -------------------------------
@@ -289,10 +293,13 @@ class MainState:
                 held.work = None
 
     def close(self) -> None:
-        """Stop the ring's worker thread (after the last step)."""
+        """After the last step: stop the ring's worker thread and remove backward's hooks."""
         if self._ring_worker is not None:
             self._ring_worker.shutdown(wait=True)
             self._ring_worker = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ---- accounting ---------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:

@@ -33,6 +33,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: its functions take `group=group.WORLD` as a
+# default argument, evaluated at import. Imported later (torch._dynamo imports it, and the first
+# optimizer built imports torch._dynamo), those defaults hold the default group to the end of the
+# process: `destroy_process_group` then frees nothing, and the group's gloo threads outlive the
+# interpreter's finalization, where one that finishes a collective aborts the process (it must take
+# the GIL to free the collective's Python tensors). `leave_job` relies on the groups being freed
+# when this process lets go of them.
+import torch.distributed.nn.functional
+
 from costmodel.cluster import parse_device
 from costmodel.communicators import plan_groups
 from costmodel.errors import ElastorError
@@ -180,15 +189,22 @@ class ProcessGroups:
 
 
 def leave_job(held: list | None = None) -> None:
-    """Tear down every process group of this process so that its peers' pending operations with it
-    fail at once (the first step of an in-process recovery): destroy them, then collect them. Gloo
-    closes a group's connections only when the group object is freed, and `ProcessGroup.abort` does
-    not close them there (measured: a peer blocked in a collective errs when the group is freed, 1 s
-    after the failure in the test, not when it is aborted), so the caller must first drop every
-    reference to them (the trainer that holds them). A group must not be freed by one of gloo's own
-    threads either (its destructor joins them: the process aborts), which happens when a pending
-    operation holds the last reference: a caller that may have operations pending passes `held`,
-    its own references to every group, which are dropped here, after the destroy, on this thread."""
+    """Tear down every process group of this process, destroy them, then collect them: at the end of
+    a run (after the last collective, its trainer closed and dropped), so that the groups' gloo
+    threads are joined here, on this thread, and not during the interpreter's finalization, where
+    one that finishes a collective aborts the process ("terminate called without an active
+    exception": it must take the GIL to free the collective's Python tensors); or as the first step
+    of an in-process recovery, so that the peers' pending operations with this process fail at once.
+
+    Gloo closes a group's connections and joins its threads only when the group object is freed,
+    and `ProcessGroup.abort` does not close them (measured: a peer blocked in a collective errs when
+    the group is freed, 1 s after the failure in the test, not when it is aborted), so the caller
+    must first drop every reference to them (the trainer that holds them; `MainState.close` removes
+    backward's hooks, whose closures would keep it alive). A group must not be freed by one of
+    gloo's own threads either (its destructor joins them: the process aborts), which happens when a
+    pending operation holds the last reference: a caller that may have operations pending passes
+    `held`, its own references to every group, which are dropped here, after the destroy, on this
+    thread."""
     if dist.is_initialized():
         dist.destroy_process_group()
     if held:  # the caller's own references, dropped here: the groups are freed on this thread

@@ -284,10 +284,37 @@ def _worker(argv: list[str]) -> int:
         (out / "losses.json").write_text(json.dumps([r.loss for r in results]))
         (out / "timing.json").write_text(json.dumps(marks))
         (out / "module_dtype.txt").write_text(str(next(trainer.model.parameters()).dtype))
-    import torch.distributed as dist
+    from runtime.distributed import leave_job
 
-    dist.destroy_process_group()
+    trainer = None  # the last reference to the process groups: leave_job frees them on this thread
+    leave_job()
+    (out / f"threads{ctx.rank}.json").write_text(json.dumps(native_threads()))
     return 0
+
+
+def gloo_threads_left(out: Path) -> dict[str, list[str]]:
+    """Per rank of a `run_worker` run, the gloo threads still alive after it left the job: none may
+    be, or one finishing a collective during the interpreter's finalization aborts the process
+    (`runtime.distributed.leave_job`)."""
+    left = {}
+    for path in sorted(out.glob("threads*.json")):
+        names = json.loads(path.read_text())
+        if names is None:
+            import pytest
+
+            pytest.skip("this OS does not list a process's threads in /proc")
+        left[path.stem] = [n for n in names if "gloo" in n]
+    assert left, f"no worker wrote its threads to {out}"
+    return {rank: names for rank, names in left.items() if names}
+
+
+def native_threads() -> list[str] | None:
+    """The names of this process's threads as the OS knows them (gloo's are "gloo_tcp_loop" and
+    "pt_gloo_runloop"); None where /proc does not list them."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
 
 
 def _die_inside_step(trainer, step: int, phase: str) -> None:

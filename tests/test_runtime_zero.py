@@ -14,7 +14,7 @@ ratio of optimizer bytes must equal the cost model's predicted ratio within 5%.
 import json
 
 import pytest
-from dist_helpers import plan_json, run_worker
+from dist_helpers import gloo_threads_left, plan_json, run_worker
 from test_runtime_parity import PLANS, STEPS, TINY, check_parity, check_resume
 from test_runtime_precision import BF16, SP_PLANS, _with, check_bf16_parity
 
@@ -40,6 +40,8 @@ def test_zero1_plan_matches_single_process(name, tmp_path):
     result = run_worker(plan, tmp_path, steps=STEPS)
     assert result.returncode == 0, result.stderr[-4000:]
     check_parity(plan, tmp_path)
+    # Every group (TP, bucket, ring and the default one) freed and its threads joined before exit.
+    assert not gloo_threads_left(tmp_path)
 
 
 # Both with -m slow (about 20 s each; make test's budget): the fp32 ZeRO-1 plans and the bf16 plans

@@ -164,13 +164,12 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(read_json(args.plan, "plan")).validate()
 
     import torch  # torch only for the commands that train
-    import torch.distributed as dist
 
     from runtime.checkpoint.load import files_opened
     from runtime.checkpoint.lock import lock_directory
     from runtime.checkpointing import CheckpointHook, reconcile_schedule, resume
     from runtime.data import open_source
-    from runtime.distributed import init_distributed
+    from runtime.distributed import init_distributed, leave_job
     from runtime.elastic import faults, inprocess, progress
     from runtime.loop import train
     from runtime.metrics import MetricsWriter
@@ -357,8 +356,8 @@ def run(args: argparse.Namespace) -> int:
                 hook.saver.settle()  # no save may go on without the lock
             lock.release()
     stop_request.restore()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    trainer = hook = snapshots = recovery = None  # the last references to the process groups:
+    leave_job()  # freed here, their gloo threads joined before the interpreter's finalization
     if stopped and not supervised:  # alone: the status of a process that the signal ended
         return stop_request.exit_code() if stop_request.requested else 128 + signal.SIGTERM
     return 0
