@@ -46,7 +46,11 @@ relaxation, which is what proves most answers: 0.33x and 0.43x CP-SAT time on ll
 whose reduction is large cannot join one whose window is small; on llama2-7b 8,8,8,7 that settles 17
 of the 22 questions CP-SAT used to prove infeasible. Where a knapsack there reaches N, its pipelines
 are tried as a plan (`Master.witnessed_plan`: they must pack and keep the cap), which settles a
-question that has a plan without CP-SAT. The overhead floor per tau
+question that has a plan without CP-SAT. The same relaxations settle most minimisations: S*(tau)
+is the overhead of a plan already found within tau when they admit no plan below it
+(`Master.below`, where a witness of less overhead that makes a plan is taken and the question asked
+again); else CP-SAT minimises among the plans below it only (on llama2-7b 8,8,8,7 they were tight
+at every one of the 7 minimisations, and settled 2). The overhead floor per tau
 (`Master.least_overhead`) keeps the bisection to candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
@@ -251,6 +255,7 @@ class Master:
         self.patterns = [] if single_node else self._patterns()
         self._packed: dict[tuple[int, ...], bool] = {}  # _packs, by runs largest first
         self._answers: dict[tuple, tuple] = {}  # solve_at's settled answers, by what decides them
+        self._index: dict[int, int] | None = None  # template index by identity (overhead_units)
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
@@ -550,6 +555,38 @@ class Master:
         return [int(i) for i in idx[~better.any(axis=0)]]
 
     # ---- the CP-SAT model at fixed tau -------------------------------------------------------------
+    def _relaxed_at(self, tau: float, cap: float, witness: bool):
+        """What the relaxations say of plans within tau and overhead cap (units): (k, live templates,
+        the pipeline counts left (none: no plan), a plan within both found from a knapsack witness
+        when `witness` (else None))."""
+        k = self.capacity(tau)
+        live = list(np.flatnonzero(k))
+        counts = self.possible_counts(k, live, cap) if live else []
+        plan = None
+        if counts and math.isfinite(cap):
+            witnesses: dict = {}
+            counts = self.coupled_counts(k, live, cap, counts, witnesses if witness else None)
+            plan = self.witnessed_plan(k, cap, witnesses) if witnesses else None
+        return k, live, counts, plan
+
+    def below(self, tau: float, cap: float) -> tuple[bool | None, list[Template] | None]:
+        """Whether a plan within tau has overhead at most cap (units), as far as the relaxations and
+        their witnesses tell without CP-SAT: (False, None): none; (True, its pipelines); (None,
+        None): undecided."""
+        _, _, counts, plan = self._relaxed_at(tau, cap, witness=True)
+        if plan is not None:
+            return True, plan
+        return (False, None) if not counts else (None, None)
+
+    def overhead_units(self, pipes: Sequence[Template]) -> int:
+        """A plan's overhead in units, as the CP-SAT model counts it (x + o)."""
+        if self._index is None:
+            self._index = {id(t): i for i, t in enumerate(self.templates)}
+        used = {self._index[id(t)] for t in pipes}
+        row, hide = len(pipes) - 1, min(int(self.hide_units[i]) for i in used)
+        sync = max(max(int(self.floor_units[i, row]), int(self.reduce_units[i, row]) - hide) for i in used)
+        return sync + max(int(self.optimizer_units[i]) for i in used)
+
     def solve_at(self, tau: float, cap: float, time_limit_s: float, minimise: bool):
         """(status, overhead in units, pipelines, node patterns) of the model at tau, overhead <= cap.
 
@@ -560,15 +597,9 @@ class Master:
         rules out stay out of the model (over all counts, the 13 minimisations of llama2-7b on
         8,8,8,7 took 2.4x as long).
         """
-        k = self.capacity(tau)
-        live = list(np.flatnonzero(k))
-        counts = self.possible_counts(k, live, cap) if live else []
-        if counts and math.isfinite(cap):
-            witnesses: dict = {}
-            counts = self.coupled_counts(k, live, cap, counts, None if minimise else witnesses)
-            plan = self.witnessed_plan(k, cap, witnesses) if witnesses else None
-            if plan is not None:  # a plan within the cap: the question is settled without CP-SAT
-                return cp_model.OPTIMAL, None, plan, None
+        k, live, counts, plan = self._relaxed_at(tau, cap, witness=not minimise)
+        if plan is not None:  # a plan within the cap: the question is settled without CP-SAT
+            return cp_model.OPTIMAL, None, plan, None
         if not counts:
             return cp_model.INFEASIBLE, None, None, None
         live = self._undominated(k, live)
@@ -718,6 +749,8 @@ def solve_master(
     taus = master.candidates(upper - master.min_overhead)
     floor = taus + master.least_overhead(taus)  # no plan within taus[j] costs less than floor[j]
 
+    found: list[tuple[int, int]] = []  # (candidate index of its slowest pipeline, overhead in units)
+
     def offer(pipes: list[Template] | None, patterns) -> int | None:
         """Keep a plan found on the way if it is the best; return the candidate index of its slowest
         pipeline (re-split), where it shows a plan exists."""
@@ -729,7 +762,22 @@ def solve_master(
         if best is None or cost < best[0]:
             best = (cost, pipes, patterns)
         slowest = max(t.time_s(m) for t, m in zip(pipes, counts, strict=True))
-        return int(np.searchsorted(taus, slowest, side="left"))
+        at = int(np.searchsorted(taus, slowest, side="left"))
+        found.append((at, master.overhead_units(pipes)))
+        return at
+
+    def least_known(j: int) -> tuple[int, bool]:
+        """The least overhead (units) of the plans found within taus[j] (a plan within the cap is
+        known there), and whether the relaxations prove it least (S*(taus[j]), no CP-SAT
+        minimisation needed: on the benchmark cases they were tight at every minimisation). A
+        witness of less overhead that makes a plan is taken, and the question asked again below it."""
+        while True:
+            known = min(units for at, units in found if at <= j)
+            lower, pipes = master.below(taus[j], known - 1)
+            if pipes is None:
+                return known, lower is False
+            if offer(pipes, None) > j:  # a witness is split within taus[j]; if not, CP-SAT decides
+                return known, False
 
     def feasible(j: int, cap: float) -> tuple[bool | None, int | None]:
         """Is there a plan within taus[j] with overhead <= cap (units)? (None: not decided in time),
@@ -766,11 +814,15 @@ def solve_master(
         if not proven:
             break
         j = lo
-        status, extra, pipes, patterns = master.solve_at(taus[j], cap, left(), minimise=True)
-        if status != cp_model.OPTIMAL:
-            proven = False
-            break
-        offer(pipes, patterns)
+        extra, least = least_known(j)
+        if not least:  # CP-SAT minimises among the plans below the known one (restricted by that cap)
+            status, below, pipes, patterns = master.solve_at(taus[j], extra - 1, left(), minimise=True)
+            if status == cp_model.OPTIMAL:  # the cap is no constraint there: it may find no less
+                offer(pipes, patterns)
+                extra = min(extra, below)
+            elif status != cp_model.INFEASIBLE:
+                proven = False
+                break
         j += 1
         # From here on a plan must have strictly less overhead than this one (a slower pipeline with
         # as much cannot win), and less than what the best plan leaves the next bound.

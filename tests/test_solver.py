@@ -20,7 +20,7 @@ from profiler.analytic import analytic_profile
 from solver import whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
-from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s
+from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s, solve_master
 from solver.skeletons import Splitter, block_uniform, compositions, generate_skeletal, most_runs, skeletons
 from solver.stages import NO_FIT, stage_table
 from solver.templates import Packer, Template, fewest_gpus, lower_envelope, prune
@@ -115,8 +115,14 @@ def test_balance_minimises_the_slowest_pipeline():
 
 
 def _sync_by_template(reduce_of):
-    """A sync rule for hand-made templates: reduce_of(P, template) seconds, nothing unhidable."""
-    return lambda P, t: SyncCost(reduce_of(P, t), 0.0, 0.0)
+    """A sync rule for hand-made templates: reduce_of(P, template) seconds, nothing unhidable (with
+    `.many`, as `solver.core.sync` gives it)."""
+
+    def sync(P, t):
+        return SyncCost(reduce_of(P, t), 0.0, 0.0)
+
+    sync.many = lambda P, templates: np.array([sync(P, t).exposed_s(t.hide_s) for t in templates])
+    return sync
 
 
 def test_a_plan_cannot_mix_a_large_reduction_with_a_small_hide_window():
@@ -152,24 +158,30 @@ def test_a_template_with_a_wider_hide_window_is_never_dominated_away():
     assert status == cp_model.OPTIMAL and overhead == 0 and pipes == [wide, wide]
 
 
+def _random_instance(rng: random.Random, most: int = 6):
+    """Hand-made templates of 1-3 stages on up to two runs, a sync that grows with the pipelines,
+    and node capacities."""
+    templates = []
+    for _ in range(rng.randint(2, most)):
+        p = rng.randint(1, 3)
+        stages = tuple((0, 1, rng.choice([1, 2, 4])) for _ in range(p))
+        runs = tuple(sorted(rng.randint(0, 1) for _ in range(p)))
+        runs = tuple(r - runs[0] for r in runs)
+        runs = tuple(0 if i == 0 else min(runs[i], runs[i - 1] + 1) for i in range(p))
+        a, m = rng.uniform(1, 3), rng.uniform(0.2, 1)
+        templates.append(
+            Template(stages, runs, a, m, rng.randint(1, 9), rng.uniform(0, 0.2), hide_s=rng.uniform(0, 1))
+        )
+    weight = {id(t): rng.uniform(0.1, 1.0) for t in templates}
+    sync = _sync_by_template(lambda P, t, w=weight: 0.0 if P == 1 else w[id(t)] * (1 - 1 / P))
+    return templates, sync, rng.choice([[8], [8, 7], [4, 4, 2]])
+
+
 def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnesses_are_plans():
     rng = random.Random(5)
     checked = witnessed = 0
     for _ in range(150):
-        templates = []
-        for _ in range(rng.randint(2, 6)):
-            p = rng.randint(1, 3)
-            stages = tuple((0, 1, rng.choice([1, 2, 4])) for _ in range(p))
-            runs = tuple(sorted(rng.randint(0, 1) for _ in range(p)))
-            runs = tuple(r - runs[0] for r in runs)
-            runs = tuple(0 if i == 0 else min(runs[i], runs[i - 1] + 1) for i in range(p))
-            a, m = rng.uniform(1, 3), rng.uniform(0.2, 1)
-            templates.append(
-                Template(stages, runs, a, m, rng.randint(1, 9), rng.uniform(0, 0.2), hide_s=rng.uniform(0, 1))
-            )
-        weight = {id(t): rng.uniform(0.1, 1.0) for t in templates}
-        sync = _sync_by_template(lambda P, t, w=weight: 0.0 if P == 1 else w[id(t)] * (1 - 1 / P))
-        capacities = rng.choice([[8], [8, 7], [4, 4, 2]])
+        templates, sync, capacities = _random_instance(rng)
         master = Master(templates, capacities, rng.randint(4, 12), sync, single_node=len(capacities) == 1)
         master.set_scale(_Scale(0.001))
         tau = rng.uniform(2, 8)
@@ -197,6 +209,40 @@ def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnes
                 assert P in kept, (P, kept)
             checked += 1
     assert checked >= 50 and witnessed >= 10
+
+
+def test_minimisations_the_relaxations_settle_skip_cp_sat_and_change_no_answer(monkeypatch):
+    """At each step the staircase needs S*(tau), the least overhead at tau. Where no relaxation
+    admits less than a plan already found (`Master.below`), that plan's overhead is S* and CP-SAT
+    does not minimise; else CP-SAT minimises among the plans below it only. On random instances the
+    answers equal those with every minimisation left to CP-SAT, for fewer CP-SAT minimisations."""
+    minimised = []
+    original = Master.solve_at
+
+    def counted(self, tau, cap, time_limit_s, minimise):
+        minimised.append(minimise)
+        return original(self, tau, cap, time_limit_s, minimise)
+
+    monkeypatch.setattr(Master, "solve_at", counted)
+    answers, counts = {}, {}
+    for shortcut in (True, False):
+        if not shortcut:
+            monkeypatch.setattr(Master, "below", lambda self, tau, cap: (None, None))
+        minimised.clear()
+        draw = random.Random(11)  # the same instances both times
+        answers[shortcut] = []
+        for _ in range(60):
+            templates, sync, capacities = _random_instance(draw, most=8)
+            N = draw.randint(4, 16)
+            result, _, closed = solve_master(
+                templates, capacities, N, sync, single_node=len(capacities) == 1, time_limit_s=30.0
+            )
+            assert closed
+            answers[shortcut].append(None if result is None else result.objective_s)
+        counts[shortcut] = sum(minimised)
+    assert answers[True] == pytest.approx(answers[False], rel=1e-12)
+    assert sum(a is not None for a in answers[True]) >= 40
+    assert counts[True] < counts[False], counts
 
 
 # ---- skeletons ------------------------------------------------------------------------------------
