@@ -26,6 +26,7 @@ DCP equal each other, bit for bit.
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import shutil
@@ -292,8 +293,11 @@ class LoadChecks:
 def worker(rank: int, args: argparse.Namespace, port: int, root: str, out: str) -> None:
     """One rank: the benchmark, then every process group freed and joined on this thread, before
     the interpreter's finalization (`runtime.distributed.leave_job`)."""
+    if args.hang_report_s:
+        faulthandler.dump_traceback_later(args.hang_report_s)
     _benchmark_rank(rank, args, port, root, out)
     leave_job()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _benchmark_rank(rank: int, args: argparse.Namespace, port: int, root: str, out: str) -> None:
@@ -471,7 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="saves per method (the median is reported)")
     p.add_argument("--dir", help="where to write (default: a temporary directory); the same disk for all")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint_bench.json"))
+    p.add_argument(
+        "--hang-report-s",
+        type=float,
+        default=0,
+        help="every process still running after this many seconds prints its threads' stacks to "
+        "stderr (0: never; the test suite sets it below its own timeout)",
+    )
     args = p.parse_args(argv)
+    if args.hang_report_s:
+        faulthandler.dump_traceback_later(args.hang_report_s)
     if args.procs < 4 or args.procs % 2:
         p.error("--procs must be even and at least 4 (plan A needs two TP=2 replicas)")
 
