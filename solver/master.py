@@ -255,7 +255,7 @@ class Master:
         self.patterns = [] if single_node else self._patterns()
         self._packed: dict[tuple[int, ...], bool] = {}  # _packs, by runs largest first
         self._answers: dict[tuple, tuple] = {}  # solve_at's settled answers, by what decides them
-        self._index: dict[int, int] | None = None  # template index by identity (overhead_units)
+        self._index = {id(t): i for i, t in enumerate(ts)}  # template index by identity
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
@@ -580,8 +580,6 @@ class Master:
 
     def overhead_units(self, pipes: Sequence[Template]) -> int:
         """A plan's overhead in units, as the CP-SAT model counts it (x + o)."""
-        if self._index is None:
-            self._index = {id(t): i for i, t in enumerate(self.templates)}
         used = {self._index[id(t)] for t in pipes}
         row, hide = len(pipes) - 1, min(int(self.hide_units[i]) for i in used)
         sync = max(max(int(self.floor_units[i, row]), int(self.reduce_units[i, row]) - hide) for i in used)
@@ -816,10 +814,10 @@ def solve_master(
         j = lo
         extra, least = least_known(j)
         if not least:  # CP-SAT minimises among the plans below the known one (restricted by that cap)
-            status, below, pipes, patterns = master.solve_at(taus[j], extra - 1, left(), minimise=True)
+            status, least, pipes, patterns = master.solve_at(taus[j], extra - 1, left(), minimise=True)
             if status == cp_model.OPTIMAL:  # the cap is no constraint there: it may find no less
                 offer(pipes, patterns)
-                extra = min(extra, below)
+                extra = min(extra, least)
             elif status != cp_model.INFEASIBLE:
                 proven = False
                 break
