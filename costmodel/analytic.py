@@ -343,9 +343,9 @@ def layer_times_s(
     """(forward, backward) seconds of one TP shard on `device`: every kernel at its own roofline
     and named efficiency (KERNEL_EFFICIENCY), summed, as the kernels of one stream run one after the
     other. Backward: each GEMM twice (input and weight gradients), attention at
-    ATTENTION_BACKWARD_FLOPS_FACTOR, elementwise traffic at ELEMENTWISE_BACKWARD_FACTOR. The
-    embedding's backward also writes a dense gradient of its whole V/t x h shard (PyTorch's dense
-    embedding backward) and adds it to `.grad`."""
+    ATTENTION_BACKWARD_FLOPS_FACTOR, elementwise traffic at ELEMENTWISE_BACKWARD_FACTOR, and the
+    runtime's main-gradient accumulation (`main_gradient_bytes`). The embedding's backward also
+    writes a dense gradient of its whole V/t x h shard (PyTorch's dense embedding backward)."""
     b, s, h, d = micro_batch_size, seq_len, config.hidden_size, config.head_dim
     dt = DTYPE_BYTES[dtype]
     heads, kv_heads, width, vocab = _local(config, tp_degree)
@@ -353,12 +353,13 @@ def layer_times_s(
     tokens = b * s
     bandwidth = device.memory_bandwidth_gbps * 1e9 * eff["bandwidth"]
     moved = elementwise_bytes(config, kind, b, s, tp_degree, dtype) / bandwidth
+    accumulate = main_gradient_bytes(config, kind, tp_degree, dtype) / bandwidth
     if kind == "embed":
-        dense_grad = 3 * vocab * h * dt  # written, then read and added into .grad
-        return moved, ELEMENTWISE_BACKWARD_FACTOR * moved + dense_grad / bandwidth
+        dense_grad = vocab * h * dt  # written whole, then accumulated like any other gradient
+        return moved, ELEMENTWISE_BACKWARD_FACTOR * moved + dense_grad / bandwidth + accumulate
     if kind == "head":
         gemm = gemm_s(tokens, h, vocab, dt, device)
-        return gemm + moved, 2 * gemm + ELEMENTWISE_BACKWARD_FACTOR * moved
+        return gemm + moved, 2 * gemm + ELEMENTWISE_BACKWARD_FACTOR * moved + accumulate
     q, kv = heads * d, kv_heads * d
     gemms = (
         gemm_s(tokens, h, q, dt, device)
@@ -368,7 +369,18 @@ def layer_times_s(
         + gemm_s(tokens, width, h, dt, device)
     )
     core, core_bwd = attention_core_s(config, b, s, tp_degree, dtype, device, attention)
-    return gemms + core + moved, 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved
+    backward = 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved + accumulate
+    return gemms + core + moved, backward
+
+
+def main_gradient_bytes(config: ModelConfig, kind: str, tp_degree: int, dtype: str) -> int:
+    """Bytes one micro-batch's gradient accumulation moves on a layer's TP shard: the runtime's
+    post-accumulate-grad hook (runtime/dist_optim.py) adds each parameter's gradient, in the model
+    dtype, into its fp32 main gradient (read D, read and write 4 per parameter), a kernel of its
+    own, as the measured profile times it (profiler/measure.py). Megatron-LM fuses this add into the
+    weight-gradient GEMM (its gradient accumulation fusion); this runtime does not, and the model
+    counts what the runtime does."""
+    return shard_param_count(config, kind, tp_degree) * (DTYPE_BYTES[dtype] + 2 * FP32_BYTES)
 
 
 def attention_core_s(

@@ -42,12 +42,12 @@ step-by-step simulation of the schedule, the buckets and their holders sharing l
 gather follows the step and is never hidden.
 
 Optimizer step: what the runtime does to a stage's gradients besides the sync (zero them, sum their
-squares for the global norm, clip, AdamW). Measured profiles carry its time per layer shard
-(`LayerCost.optimizer_s`) and a stage's is the sum over its layers: on a CPU it is several times the
-bandwidth bound below, as torch's AdamW runs a handful of kernels per tensor, each with a fixed cost
-(gpt-tiny on one core: 2.3 ms measured against 1.0 ms from bandwidth). Without a measurement, AdamW
-is taken as memory-bound: per parameter it reads the parameter, gradient and two moments and writes
-three of them (7 fp32 words), plus one read of the gradient for clipping.
+squares for the global norm, clip, AdamW, publish the masters). Measured profiles carry its time per
+layer shard (`LayerCost.optimizer_s`) and a stage's is the sum over its layers: on a CPU it is
+several times the bandwidth bound below, as torch's AdamW runs a handful of kernels per tensor, each
+with a fixed cost (gpt-tiny on one core: 2.3 ms measured against 1.0 ms from bandwidth). Without a
+measurement, each of those passes is taken as memory-bound at the device kind's streaming-kernel
+efficiency (`costmodel.analytic.KERNEL_EFFICIENCY`), with the traffic of `optimizer_bytes_per_param`.
 
 Peak memory per device, as the runtime allocates it (runtime/dist_optim.py, runtime/pipeline.py):
 parameters in the plan's dtype and the fp32 masters of the rows whose state it keeps (all it holds,
@@ -95,8 +95,17 @@ FP32_BYTES = 4
 # fp32 master parameters, gradients, AdamW exp_avg and exp_avg_sq (Loshchilov & Hutter 2019); a
 # 16-bit plan adds its 16-bit copy of the parameters.
 STATE_WORDS_PER_PARAM = 4
-# AdamW step traffic per parameter in fp32 words: read p, g, m, v; write p, m, v; read g to clip.
-OPTIMIZER_WORDS_PER_PARAM = 8
+
+
+def optimizer_bytes_per_param(dtype_bytes: int) -> int:
+    """Memory traffic of one optimizer step per parameter, pass by pass as runtime/trainer.py and
+    runtime/dist_optim.py run it (and profiler/measure.py times it): zero the fp32 main gradient
+    (write 4), its squared norm (read 4), the clip's scaling (read 4, write 4), AdamW (read the
+    master, gradient and two moments, write the master and moments: 28), and the publish (read the
+    master, write the parameter in the plan's dtype)."""
+    return 4 + 4 + 8 + 28 + 4 + dtype_bytes
+
+
 # Fraction of device memory kept free for the allocator's fragmentation, the CUDA context and
 # library workspaces (cuBLAS, NCCL): measured peaks on GPUs run 3-7% above the tensors' bytes.
 MEMORY_HEADROOM = 0.08
@@ -428,6 +437,9 @@ class CostModel:
         self.usable_memory_bytes = int(cluster.device.memory_bytes * (1 - MEMORY_HEADROOM))
         kind = DEVICE_KINDS.get(cluster.device.kind)
         self.memory_bandwidth_gbps = kind.memory_bandwidth_gbps if kind else DEFAULT_MEMORY_BANDWIDTH_GBPS
+        # what a streaming elementwise kernel reaches (the optimizer's passes)
+        efficiency = analytic.kernel_efficiency(cluster.device.kind)["bandwidth"]
+        self.streaming_bytes_per_s = self.memory_bandwidth_gbps * 1e9 * efficiency
         self._stage_cache: dict[tuple[int, int, int, int], StageCost] = {}
 
     # ---- links ----------------------------------------------------------------------------------
@@ -500,7 +512,10 @@ class CostModel:
         if all(t is not None for t in measured):
             optimizer_s = sum(measured)
         else:
-            optimizer_s = params * OPTIMIZER_WORDS_PER_PARAM * FP32_BYTES / (self.memory_bandwidth_gbps * 1e9)
+            streaming = (
+                self.memory_bandwidth_gbps * 1e9 * analytic.kernel_efficiency(prof.device_kind)["bandwidth"]
+            )
+            optimizer_s = params * optimizer_bytes_per_param(dt) / streaming
         local = hidden // shards  # what this rank holds of a boundary activation
         input_bytes = local if start > 0 else 0
         output_bytes = local if end < model.num_layers else 0

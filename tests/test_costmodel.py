@@ -9,12 +9,12 @@ from synthetic import synthetic_profile
 
 import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError, Pipeline, Plan, Stage
+from costmodel.analytic import kernel_efficiency
 from costmodel.boundary import busiest_shares
 from costmodel.comm import Link, all_gather_s, all_reduce_s
 from costmodel.estimate import (
     FP32_BYTES,
     MEMORY_HEADROOM,
-    OPTIMIZER_WORDS_PER_PARAM,
     CostModel,
     in_flight,
     pipeline_time_s,
@@ -162,7 +162,9 @@ def test_the_optimizer_is_bandwidth_bound_unless_the_profile_measured_it():
     profile = synthetic_profile()
     cm = CostModel(profile, ClusterSpec.parse("1", "cpu"))
     stage = cm.stage(1, 4, 1, 2)
-    bound = stage.param_count * OPTIMIZER_WORDS_PER_PARAM * FP32_BYTES / (cm.memory_bandwidth_gbps * 1e9)
+    # every pass of the step at the cpu kind's streaming efficiency: 48 bytes per parameter + a copy
+    traffic = stage.param_count * (48 + profile.bytes_per_param)
+    bound = traffic / (cm.memory_bandwidth_gbps * 1e9 * kernel_efficiency("cpu")["bandwidth"])
     assert stage.optimizer_s == pytest.approx(bound)
     # A measured profile carries the time per layer shard; a stage's is the sum over its layers.
     measured = dataclasses.replace(

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from dist_helpers import plan_json
 from test_runtime_parity import PLANS
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodel import PRESETS, ElastorError, ModelConfig, Plan
+from costmodel.analytic import main_gradient_bytes
 from costmodel.layout import contributes, device_pieces, sync_buckets
 from costmodel.plan import OptimizerLayout
 from costmodel.sharding import buckets
@@ -188,3 +190,38 @@ def test_training_state_round_trip_continues_identically(single_process):
     ).to_json()
     with pytest.raises(ElastorError, match="holds model 'gpt-other'"):
         restore_training_state(second, saved, other)
+
+
+class _MovedIntoMain(TorchDispatchMode):
+    """Bytes of every in-place add into one of `storages` (read what is added, read and write the
+    fp32 target), counted where the kernels are dispatched."""
+
+    def __init__(self, storages: set[int]):
+        super().__init__()
+        self.storages, self.bytes, self.adds = storages, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add_.Tensor and args[0].untyped_storage().data_ptr() in self.storages:
+            target, added = args[0], args[1]
+            self.bytes += added.numel() * added.element_size() + 2 * target.numel() * target.element_size()
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gradient_accumulation_moves_the_bytes_the_analytic_backward_prices(single_process, dtype):
+    """The runtime's hooks add each micro-batch's gradients into the fp32 main gradients: exactly
+    `main_gradient_bytes` per layer and micro-batch, which the analytic backward prices."""
+    torch.set_num_threads(1)
+    config, micro_batches = PRESETS["gpt-tiny"], 3
+    data = plan_json(TINY, [(micro_batches, [((0, config.num_layers), ["n0:0"])])], seq_len=16)
+    plan = Plan.from_json({**data, "dtype": dtype})
+    trainer = Trainer(plan, init_distributed(plan), optim=OptimConfig(), seed=0)
+    moved = _MovedIntoMain({held.grads.untyped_storage().data_ptr() for held in trainer.main.held})
+    with moved:
+        trainer.train_step()
+    per_micro_batch = sum(
+        main_gradient_bytes(config, config.layer_kind(i), 1, dtype) for i in range(config.num_layers)
+    )
+    assert moved.adds == micro_batches * len(list(trainer.model.parameters()))
+    assert moved.bytes == micro_batches * per_micro_batch
