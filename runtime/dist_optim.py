@@ -50,7 +50,7 @@ from torch import nn
 from costmodel.layout import contributes, device_pieces
 from costmodel.plan import Plan
 from costmodel.sharding import GATHER_WINDOW, Bucket, Rows, device_buckets
-from runtime.distributed import ProcessGroups
+from runtime.distributed import ProcessGroups, all_gather_single, reduce_scatter_single
 from runtime.stage import box_slices
 
 
@@ -207,7 +207,7 @@ class MainState:
             self._count("reduce_scatter", n, (n - 1) / n * nbytes, nbytes)
         elif held.bucket.sharded:
             region = self._region(held, held.grads)
-            held.work = dist.reduce_scatter_tensor(region, held.grads, group=held.group, async_op=True)
+            held.work = reduce_scatter_single(region, held.grads, group=held.group, async_op=True)
             self._count("reduce_scatter", n, (n - 1) / n * nbytes, nbytes)
         else:
             held.work = dist.all_reduce(held.grads, group=held.group, async_op=True)
@@ -263,7 +263,7 @@ class MainState:
             gathered = torch.empty(held.bucket.numel, dtype=dtype, device=held.grads.device)
             mine = self._region(held, gathered)
             mine.copy_(held.masters)
-            work = dist.all_gather_into_tensor(gathered, mine, group=held.group, async_op=True)
+            work = all_gather_single(gathered, mine, group=held.group, async_op=True)
             n, nbytes = len(held.bucket.holders), gathered.numel() * gathered.element_size()
             self._count("all_gather", n, (n - 1) / n * nbytes, nbytes)
             in_flight.append((held, gathered, work))

@@ -56,6 +56,10 @@ ENV_MASTER = "ELASTOR_MASTER"
 ENV_FIRST_RANK = "ELASTOR_FIRST_RANK"
 ENV_VISIBLE_GPUS = "ELASTOR_VISIBLE_GPUS"  # the physical ids behind CUDA_VISIBLE_DEVICES, set with it
 DEFAULT_TIMEOUT_S = 300.0  # long enough for a first NCCL step on a large model, short enough to notice a hang
+# The one-tensor collectives by their names since torch 2.13, which deprecates the old ones; the
+# releases before it (torch >= 2.5 is supported) have only the old names, with the same arguments.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True, kw_only=True)

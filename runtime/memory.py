@@ -23,6 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from runtime.distributed import all_gather_single
+
 KINDS = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_peak_bytes")
 
 
@@ -153,12 +155,10 @@ def memory_event(trainer, measured: MeasuredMemory) -> dict | None:
     """Gather every rank's measurement (a collective: every rank calls it) and, on rank 0, the
     `memory` event's fields: per device its measured bytes by kind, the prediction beside them, and
     the worst measured/predicted ratio of the peak. None on the other ranks."""
-    import torch.distributed as dist
-
     ctx = trainer.ctx
     mine = torch.tensor(measured.as_list(), dtype=torch.int64, device=ctx.device)
     every = torch.zeros((ctx.world_size, len(KINDS)), dtype=torch.int64, device=ctx.device)
-    dist.all_gather_into_tensor(every, mine.unsqueeze(0))
+    all_gather_single(every, mine.unsqueeze(0))
     if ctx.rank != 0:
         return None
     predicted = predicted_memory(trainer.plan)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from costmodel.config import ModelConfig
+from runtime.distributed import all_gather_single, reduce_scatter_single
 from runtime.model import RMSNorm, cross_entropy_sum
 
 
@@ -77,7 +78,7 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     b, part, h = x.shape
     out = torch.empty((t * b, part, h), dtype=x.dtype, device=x.device)  # rank-major along dim 0
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out.view(t, b, part, h).transpose(0, 1).reshape(b, t * part, h)
 
 
@@ -87,7 +88,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     b, s, h = x.shape
     stacked = x.reshape(b, t, s // t, h).transpose(0, 1).reshape(t * b, s // t, h)
     out = torch.empty((b, s // t, h), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, stacked, group=group)
+    reduce_scatter_single(out, stacked, group=group)
     return out
 
 

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from costmodel.errors import ElastorError
 from costmodel.plan import Plan
-from runtime.distributed import ENV_MASTER, DistContext, leave_job
+from runtime.distributed import ENV_MASTER, DistContext, all_gather_single, leave_job
 from runtime.elastic import progress
 from runtime.elastic.peers import MissingRows, fetch_state, plan_transfers
 from runtime.elastic.snapshots import buddies, rollback_step
@@ -395,7 +395,7 @@ class Recovery:
         every rank reaches the same answer from the same numbers."""
         mine = torch.tensor(snapshots.summary(), dtype=torch.float64, device=left.device)
         everyone = torch.empty(3 * len(order), dtype=torch.float64, device=left.device)
-        dist.all_gather_into_tensor(everyone, mine)
+        all_gather_single(everyone, mine)
         summaries = everyone.view(len(order), 3).cpu().tolist()
         step = rollback_step(left.plan, order, summaries, lost)
         if step is None:
@@ -419,7 +419,7 @@ class Recovery:
         if left.totals is not None:
             mine[2:] = left.totals.to(mine)
         everyone = torch.empty(5 * len(order), dtype=torch.float64, device=left.device)
-        dist.all_gather_into_tensor(everyone, mine)
+        all_gather_single(everyone, mine)
         everyone = everyone.view(len(order), 5).cpu()
         steps = everyone[:, 0].long().tolist()
         high, low = max(steps), min(steps)
