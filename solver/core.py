@@ -32,9 +32,9 @@ from solver.interleave import with_interleaving
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.placement import place
-from solver.skeletons import block_uniform, generate_skeletal, grid_templates, most_runs
+from solver.skeletons import block_uniform, generate_skeletal, most_runs
 from solver.stages import StageTable, exchanges_s, stage_table, sync_terms
-from solver.templates import Packer, Template, fewest_gpus, generate, prune
+from solver.templates import Template, fewest_gpus, generate, prune
 
 # The exact, complete template program runs when the instance is this small (tests/test_solver_*.py);
 # beyond it, the searched family is bounded (Limits) and the plan says so ("complete": false).
@@ -45,7 +45,6 @@ RECOMPUTE_PASSES = ("none", "selective", "full")  # each stage's activation reco
 
 # Skeletal templates, across searches (solver.memo), by stage tables, layers, node classes and scope.
 _SKELETAL: IdentityMemo[list[Template]] = IdentityMemo(limit=32)
-_GRIDS: IdentityMemo[list[Template]] = IdentityMemo(limit=32)  # grid pipelines, by stage tables
 
 
 @dataclass(frozen=True)
@@ -189,21 +188,15 @@ def skeletal_templates(
     )
     ordered = tuple(tables[t] for t in sorted(tables))
     key = (num_layers, classes, single_node, runs)
-    family = _SKELETAL.get(
-        ordered,
-        key,
-        lambda: prune(generate_skeletal(tables, num_layers, classes, single_node=single_node, max_runs=runs)),
+    return list(
+        _SKELETAL.get(
+            ordered,
+            key,
+            lambda: prune(
+                generate_skeletal(tables, num_layers, classes, single_node=single_node, max_runs=runs)
+            ),
+        )
     )
-    if single_node:
-        return list(family)
-    # Grid pipelines of any depth on the largest nodes, those the cluster's nodes hold. Pruned before
-    # the filter, as a template dominates only one that packs wherever it does.
-    largest, gpus = max(capacities), min(sum(capacities), (num_layers - 2) * max(tables))
-    grids = _GRIDS.get(
-        ordered, (num_layers, largest, gpus), lambda: prune(grid_templates(tables, num_layers, largest, gpus))
-    )
-    packer = Packer(capacities)
-    return [*family, *(t for t in grids if packer.fits(t.run_sizes))]
 
 
 def work_bound(tables: dict[int, StageTable], num_layers: int, num_microbatches: int, gpus: int) -> float:

@@ -421,32 +421,6 @@ def skeletons(
                         yield from once([first] * r1 + [second] * r2)
 
 
-def grid_templates(
-    tables: dict[int, StageTable], num_layers: int, capacity: int, max_gpus: int
-) -> list[Template]:
-    """Templates of grid pipelines of every depth on up to `max_gpus` GPUs: one TP degree, its
-    groups filling nodes of `capacity` GPUs one after another (the last node part-way), as a
-    Megatron-style grid places a pipeline, the blocks split in closed form like any skeleton's.
-    The uniform baseline seeds the search with the one grid it picks for a cluster; these keep the
-    family from depending on a cluster's other node sizes: a 41-stage TP 4 pipeline (20 nodes of 8
-    and half of one) was a skeleton beside a node of 7 only, and with it llama3-70b at 2M tokens,
-    interleaved, planned 7.9% more samples/s on 251 nodes of 8 and one of 7 than on 256 of 8
-    (`solver.core.skeletal_templates` keeps those that fit the cluster's nodes)."""
-    splitter = _splitter(tables, num_layers)
-    out = []
-    for tp in (t for t in sorted(tables) if t <= capacity):
-        per_node = capacity // tp
-        for depth in range(2, min(num_layers - 2, max_gpus // tp) + 1):  # at most one stage per block
-            out += splitter.templates((tp,) * depth, tuple(i // per_node for i in range(depth)))
-    return out
-
-
-def _splitter(tables: dict[int, StageTable], num_layers: int) -> Splitter:
-    return _SPLITTERS.get(
-        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
-    )
-
-
 def generate_skeletal(
     tables: dict[int, StageTable],
     num_layers: int,
@@ -455,7 +429,9 @@ def generate_skeletal(
     single_node: bool,
     max_runs: int,
 ) -> list[Template]:
-    splitter = _splitter(tables, num_layers)
+    splitter = _SPLITTERS.get(
+        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
+    )
     packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):

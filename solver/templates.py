@@ -124,18 +124,11 @@ class Packer:
 
 @functools.lru_cache(maxsize=1 << 16)  # states recur across branches: deep footprints need it
 def _pack(runs: tuple[int, ...], free: tuple[int, ...]) -> bool:
-    """Whether `runs` (largest first) fit into nodes with `free` GPUs (largest first)."""
     if not runs:
         return True
-    # room smaller than every run left is lost: dropping it keeps the states few and the sum test
-    # below tight (deep footprints of many runs into as many nodes failed slowly without it)
-    free = tuple(f for f in free if f >= runs[-1])
     if sum(runs) > sum(free):
         return False
     first, rest = runs[0], runs[1:]
-    if first in free:  # the largest run filling a node exactly is never worse (swap any other fill)
-        i = free.index(first)
-        return _pack(rest, free[:i] + free[i + 1 :])
     tried = set()
     for i, room in enumerate(free):
         if room >= first and room not in tried:

@@ -21,15 +21,7 @@ from solver import whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
 from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s, solve_master
-from solver.skeletons import (
-    Splitter,
-    block_uniform,
-    compositions,
-    generate_skeletal,
-    grid_templates,
-    most_runs,
-    skeletons,
-)
+from solver.skeletons import Splitter, block_uniform, compositions, generate_skeletal, most_runs, skeletons
 from solver.stages import NO_FIT, stage_table
 from solver.templates import Packer, Template, fewest_gpus, lower_envelope, prune
 from solver.whatif import failure_order, parse_range
@@ -316,13 +308,9 @@ def test_skeletal_templates_depend_on_few_nodes_of_each_class(p70):
         for single_node in (False, True):
             smallest = fewest_gpus(tables, L, sum(capacities))
             runs = max(2, -(-2 * smallest // max(capacities)))
-            whole = generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs)
-            if not single_node:  # and the grid pipelines that fit the cluster
-                packer = Packer(capacities)
-                grids = grid_templates(tables, L, max(capacities), sum(capacities))
-                whole += [t for t in grids if packer.fits(t.run_sizes)]
+            whole = prune(generate_skeletal(tables, L, capacities, single_node=single_node, max_runs=runs))
             shared = skeletal_templates(tables, L, capacities, single_node)
-            assert prune(shared) == prune(whole) and (whole or single_node)  # 70B does not fit on one node
+            assert shared == whole and (whole or single_node)  # 70B does not fit on one node
 
 
 def test_compositions_fill_the_node_in_non_increasing_degrees():
@@ -397,48 +385,6 @@ def test_a_partial_node_never_makes_elastor_slower_than_dropping_it():
     dropped = solver.solve(p, cluster, 128, method="node-drop")
     assert plan.solver["complete"] is False
     assert plan.predicted["samples_per_s"] >= dropped.predicted["samples_per_s"] * (1 - 1e-12)
-
-
-def test_grid_pipelines_of_every_depth_join_the_family_on_whole_nodes(p70):
-    """A 41-stage TP 4 pipeline (20 nodes of 8 and half of one) is no skeleton on whole nodes of 8:
-    the grid pipelines add it, and every depth of every TP degree that fits the cluster."""
-    cm = CostModel(p70, ClusterSpec.parse("8,7", p70.device_kind))
-    tables = {t: stage_table(cm, t, 1) for t in (1, 2, 4, 8)}
-    L, capacities = p70.model.num_layers, [8] * 64
-
-    def shapes(templates):
-        return {(t.stages[0][2], t.run_sizes) for t in templates if len({tp for *_, tp in t.stages}) == 1}
-
-    deep = (4, (8,) * 20 + (4,))
-    family = generate_skeletal(tables, L, capacities, single_node=False, max_runs=2)
-    assert deep not in shapes(family)
-    searched = shapes(skeletal_templates(tables, L, capacities, single_node=False))
-    assert deep in searched
-    assert (4, (8,) * 32 + (4,)) not in searched  # 65 stages of TP 4 need 260 GPUs, more than 64 x 8
-    depths = {}
-    for t in grid_templates(tables, L, 8, 512):
-        depths.setdefault(t.stages[0][2], set()).add(t.num_stages)
-    # every depth from the shallowest that fits in memory, up to one stage per block or 512 GPUs
-    assert depths[4] == set(range(min(depths[4]), L - 1)) and max(depths[8]) == 512 // 8
-    assert 1 not in depths  # 70B in 80 GB: no TP 1 pipeline of one stage per block fits
-
-
-@pytest.mark.slow  # four searches of 2,000-GPU clusters with interleaving: a minute on two cores
-def test_whole_nodes_plan_no_slower_than_the_same_nodes_with_a_gpu_lost_when_interleaved():
-    """llama3-70b at 2M tokens with chunks: 251 nodes of 8 and one of 7 planned 282.6 samples/s (12
-    pipelines of 41 TP 4 stages, 2 chunks each) and 256 nodes of 8 only 262.0 before the grid
-    pipelines joined the family; more GPUs must never plan slower."""
-    p = analytic_profile(
-        PRESETS["llama3-70b"], device_kind="H100-80GB", micro_batch_sizes=[1], tp_degrees=[1, 2, 4, 8],
-        seq_len=4096,
-    )  # fmt: skip
-    speed = {
-        name: solver.solve(p, ClusterSpec.from_counts(counts, "H100-80GB"), 512, interleave=True).predicted[
-            "samples_per_s"
-        ]
-        for name, counts in (("lost", [8] * 251 + [7]), ("whole", [8] * 256))
-    }
-    assert speed["whole"] >= speed["lost"] * (1 - 1e-12)
 
 
 @pytest.mark.slow  # two searches of a 2,000-GPU cluster: minutes on two cores
