@@ -512,10 +512,7 @@ class CostModel:
         if all(t is not None for t in measured):
             optimizer_s = sum(measured)
         else:
-            streaming = (
-                self.memory_bandwidth_gbps * 1e9 * analytic.kernel_efficiency(prof.device_kind)["bandwidth"]
-            )
-            optimizer_s = params * optimizer_bytes_per_param(dt) / streaming
+            optimizer_s = params * optimizer_bytes_per_param(dt) / self.streaming_bytes_per_s
         local = hidden // shards  # what this rank holds of a boundary activation
         input_bytes = local if start > 0 else 0
         output_bytes = local if end < model.num_layers else 0
