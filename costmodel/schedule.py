@@ -104,14 +104,31 @@ def sends(stage: int, to: int, num_stages: int, num_chunks: int, m: int) -> list
 def peak_live(stage: int, num_stages: int, num_chunks: int, m: int, weights: Sequence[float]) -> float:
     """The most activation a stage keeps at once: each chunk-forward's activation (weights[chunk])
     lives until its backward. Exact: it depends only on the stage's own order."""
-    live = peak = 0.0
-    for op in program(stage, num_stages, num_chunks, m):
+    return max(
+        sum(n * w for n, w in zip(row, weights, strict=True))
+        for row in live_peaks(stage, num_stages, num_chunks, m)
+    )
+
+
+@functools.lru_cache(maxsize=1 << 14)  # the solver weighs the same few shapes' chunks many times
+def live_peaks(stage: int, num_stages: int, num_chunks: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """The live chunk-forwards per chunk at each moment the stage's live set could peak for some
+    non-negative weights: after each run of forwards, keeping only the counts no other moment
+    covers in every chunk."""
+    live, moments = [0] * num_chunks, []
+    ops = program(stage, num_stages, num_chunks, m)
+    for i, op in enumerate(ops):
         if op.kind == "F":
-            live += weights[op.chunk]
-            peak = max(peak, live)
+            live[op.chunk] += 1
+            if i + 1 == len(ops) or ops[i + 1].kind != "F":
+                moments.append(tuple(live))
         else:
-            live -= weights[op.chunk]
-    return peak
+            live[op.chunk] -= 1
+    kept = []
+    for row in sorted(set(moments), key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(other, row, strict=True)) for other in kept):
+            kept.append(row)
+    return tuple(kept)
 
 
 @functools.lru_cache(maxsize=1 << 14)  # the solver asks for the same few shapes many times

@@ -507,17 +507,20 @@ def helps(
 
 def relax_recompute(cm: CostModel, plan: Plan) -> Plan:
     """Each stage in the lightest recompute mode (none before selective before full) in which it still
-    fits in memory with the micro-batches 1F1B keeps in flight on it, beside the optimizer state its
-    devices keep under the plan (`costmodel.sharding.state_bytes`): never slower, same memory bound."""
+    fits in memory with the activations its schedule keeps in flight on it (`stage_in_flight`, in
+    that mode's own chunk weights when interleaved), beside the optimizer state its devices keep
+    under the plan (`costmodel.sharding.state_bytes`): never slower, same memory bound."""
     states = state_bytes(plan, cm.profile.bytes_per_param)
     comms = communicators.device_bytes(plan, cm.cluster.device.kind)
     pipelines = []
     for pipe in plan.pipelines:
         stages = []
         for si, stage in enumerate(pipe.stages):
-            held = stage_in_flight(cm, stage, si, pipe, plan.micro_batch_size)
             for mode in RECOMPUTE_PASSES[: RECOMPUTE_PASSES.index(stage.recompute)]:
                 lighter = dataclasses.replace(stage, recompute=mode)
+                # in the lighter mode's own weights: an interleaved stage's peak mixes its chunks by
+                # what each keeps, and the head's chunk keeps far more without recomputation
+                held = stage_in_flight(cm, lighter, si, pipe, plan.micro_batch_size)
                 cost = cm.stage_of(lighter, plan.micro_batch_size)
                 peak = max(sum(cost.memory_bytes(held, states[d], comms[d]).values()) for d in stage.devices)
                 if peak <= cm.usable_memory_bytes:
@@ -532,9 +535,10 @@ def _elastor(
     profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan, so the
-    uniform and pow2-greedy baselines run first: their pipelines join the templates, and the best of
-    their plans bounds the search, which then only looks for a faster one (and returns that baseline
-    plan, proven optimal in the family with its pipelines, when there is none).
+    uniform and pow2-greedy baselines run first, and the grid of any depth (`baselines.deep_grids`,
+    which keeps a smaller cluster's grid depth in a bigger cluster's family): their pipelines join
+    the templates, and the best of their plans bounds the search, which then only looks for a faster
+    one (and returns that plan, proven optimal in the family with its pipelines, when there is none).
 
     Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
     and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must
@@ -643,10 +647,13 @@ def _seeded_search(
 
 
 def _baseline_plans(profile, cluster, gbs, sizes, mode: Pass) -> list[tuple[float, Plan]]:
-    """(step time, plan) of uniform and pow2-greedy in every mode of the pass."""
+    """(step time, plan) of uniform and pow2-greedy in every mode of the pass, and of the grid of
+    any depth (`baselines.deep_grids`: what keeps the skeleton family's answer from getting slower
+    on a bigger cluster where a smaller one ran a grid)."""
+    deep = functools.partial(baselines.deep_grids, interleave=mode.interleave)
     found = [
         family(profile, cluster, gbs, sizes, recompute)
-        for family in (baselines.uniform, baselines.pow2_greedy)
+        for family in (baselines.uniform, baselines.pow2_greedy, deep)
         for recompute in mode.modes
     ]
     return [f for f in found if f]

@@ -12,11 +12,16 @@ pow2-greedy  the Elastor paper's released heuristic: on every node, power-of-two
              stage, then the smallest sum, whose memory fits), micro-batches split to minimise the
              slowest pipeline (solved exactly). The best (nominal TP, D, micro-batch size) wins.
 node-drop    (in solver/__init__.py) Elastor's own search on the fully healthy nodes only.
+
+Not a method: `deep_grids`, the fastest grid of one-degree pipelines of any depth, seeds Elastor's
+search on large instances beside uniform and pow2-greedy (its docstring says why).
 """
 
 import bisect
+import dataclasses
 import heapq
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -28,10 +33,12 @@ from costmodel.estimate import CostModel, plan_sync_s, steady_period_s
 from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver.core import pipeline_sync, tp_degrees
+from solver.core import sync as sync_pricing
+from solver.interleave import chunk_ranges, fastest_variant
 from solver.master import balance
-from solver.skeletons import Splitter, block_uniform
+from solver.skeletons import Splitter, block_uniform, splitter_of
 from solver.stages import StageTable, exchanges_s, stage_table, sync_terms
-from solver.templates import fewest_gpus
+from solver.templates import Template, fewest_gpus
 
 # A stage of a baseline plan: (start, end, tp, node index, first GPU index on that node).
 Placed = tuple[int, int, int, int, int]
@@ -230,6 +237,148 @@ def uniform(
         return None
     _, cost, c = best
     return cost, grid_plan(cm, cluster, gbs, c, grid.chunks)
+
+
+def deep_grids(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    gbs: int,
+    sizes: Sequence[int],
+    recompute: str = "none",
+    *,
+    interleave: bool = False,
+) -> tuple[float, Plan] | None:
+    """A seed of Elastor's search, not a method: the fastest grid of identical one-degree pipelines
+    of any depth, as many of them as the cluster's TP groups (taken node by node) hold, each split
+    by the skeleton family's closed form and given any micro-batch count (`balance`). Only for
+    models with identical blocks, where the skeleton family is searched.
+
+    The skeleton family is not closed under adding GPUs: its whole-node runs change with the
+    cluster, so a bigger cluster can lose a pipeline depth a smaller one had. llama3-70b at 2M
+    tokens with chunks planned 12 pipelines of 41 TP-4 stages (2 chunks of 82 layers) on 251
+    nodes of 8 but could not on 256, where only 42- and 43-stage pipelines of TP 4 were offered,
+    and planned 7.9% slower there. A grid of depth d on a cluster is a grid of depth d on any
+    cluster with more TP groups, so the best grid here is at least as fast as the best grid of
+    every smaller cluster. It is priced as the master prices plans (`plan_cost_s`); with
+    `interleave` each pipeline runs its fastest chunk count (solver.interleave). The plan bounds
+    the search and is its answer where nothing faster exists, but its pipelines do not join the
+    search's templates (its solver block says `bound_only`): deep templates make the master slow
+    (llama2-70b on 987 GPUs with chunks: 41 s to a time limit against 16 s proven)."""
+    if not block_uniform(profile):
+        return None
+    cm = CostModel(profile, cluster, recompute=recompute)
+    L = profile.model.num_layers
+    pricing = {inter: sync_pricing(cm, inter) for inter in (False, True)}
+    tables = {mbs: {t: stage_table(cm, t, mbs) for t in tp_degrees(profile, cluster)} for mbs in sizes}
+    grids = []  # (a bound on its step time, micro-batch size, TP, PP, DP) of every grid
+    for mbs, by_tp in tables.items():
+        N = gbs // mbs
+        for tp, table in by_tp.items():
+            groups = len(_tp_groups(cluster, tp))
+            work = sum(table.time_s[i][i + 1] for i in range(L))  # a micro-batch through every layer
+            for pp in range(1, min(groups, L) + 1):
+                dp = min(groups // pp, N // pp)
+                if dp == 0:
+                    break
+                # no pipeline is faster than its stages' equal share of the work without a bubble
+                grids.append((math.ceil(N / dp) * work / pp, mbs, tp, pp, dp))
+    best = None
+    for bound, mbs, tp, pp, dp in sorted(grids):
+        if best is not None and bound >= best[0]:
+            break
+        N, groups = gbs // mbs, _tp_groups(cluster, tp)
+        found = _grid_templates(splitter_of(tables[mbs], L), groups, tp, pp, dp)
+        if found is None:
+            continue
+        kinds, copies = found
+        if interleave:
+            kinds = _fastest_variants(kinds, tables[mbs], math.ceil(N / dp))
+        inter = groups[0][0] != groups[dp * pp - 1][0]
+        cost = _copies_cost_s(kinds, copies, N, pricing[inter])
+        if cost is not None and (best is None or cost < best[0]):
+            best = (cost, mbs, tp, pp, dp, inter)
+    if best is None:
+        return None
+    cost, mbs, tp, pp, dp, inter = best
+    groups = _tp_groups(cluster, tp)
+    pipes = [
+        _grid_template(splitter_of(tables[mbs], L), groups[j * pp : (j + 1) * pp], tp) for j in range(dp)
+    ]
+    if interleave:
+        pipes = _fastest_variants(pipes, tables[mbs], math.ceil(gbs // mbs / dp))
+    counts = balance(pipes, gbs // mbs)
+    placed = []
+    for j, t in enumerate(pipes):
+        layers = chunk_ranges(t.stages, t.chunks) if t.chunks > 1 else [(s, e) for s, e, _ in t.stages]
+        placed.append([(chunks, tp, *groups[j * pp + i]) for i, chunks in enumerate(layers)])
+    plan = _plan(cm, cluster, gbs, mbs, placed, counts)
+    return cost, dataclasses.replace(plan, solver={"method": "deep-grid", "bound_only": True})
+
+
+def _fastest_variants(templates: list[Template], tables: dict[int, StageTable], m: int) -> list[Template]:
+    """Each template, or its interleaved variant fastest at `m` micro-batches where that is faster."""
+    out, known = [], {}
+    for t in templates:
+        if id(t) not in known:
+            variant = fastest_variant(t, tables, m)
+            known[id(t)] = t if variant is None or t.time_s(m) <= variant.time_s(m) else variant
+        out.append(known[id(t)])
+    return out
+
+
+def _grid_template(splitter: Splitter, member: Sequence[tuple[int, int]], tp: int) -> Template | None:
+    """The template of one pipeline on consecutive TP groups `member` (node index, first GPU), or
+    None where it does not fit in memory."""
+    runs = tuple(itertools.accumulate((a[0] != b[0] for a, b in pairwise(member)), initial=0))
+    split = splitter.templates((tp,) * len(member), runs)
+    return split[0] if split else None
+
+
+def _grid_templates(
+    splitter: Splitter, groups: list[tuple[int, int]], tp: int, pp: int, dp: int
+) -> tuple[list[Template], list[int]] | None:
+    """The distinct templates of the `dp` pipelines of `pp` consecutive TP groups and how many
+    pipelines each (pipelines differ only in where their node changes fall), or None where one does
+    not fit in memory."""
+    index: dict[tuple[int, ...], int] = {}
+    kinds: list[Template] = []
+    copies: list[int] = []
+    for j in range(dp):
+        member = groups[j * pp : (j + 1) * pp]
+        runs = tuple(itertools.accumulate((a[0] != b[0] for a, b in pairwise(member)), initial=0))
+        if runs not in index:
+            template = _grid_template(splitter, member, tp)
+            if template is None:
+                return None
+            index[runs] = len(kinds)
+            kinds.append(template)
+            copies.append(0)
+        copies[index[runs]] += 1
+    return kinds, copies
+
+
+def _copies_cost_s(kinds: list[Template], copies: list[int], N: int, pricing) -> float | None:
+    """A plan's step time as the master prices it (`plan_cost_s`) where `copies[i]` pipelines are
+    of template `kinds[i]`: the micro-batches dealt as `balance` deals them (each to the copy that
+    stays fastest with it; copies of one template take them in turn), None when N is too few."""
+    base = [t.num_stages for t in kinds]  # every copy of kind i holds base[i] or base[i] + 1
+    ahead = [0] * len(kinds)  # copies of kind i holding base[i] + 1
+    left = N - sum(b * k for b, k in zip(base, copies, strict=True))
+    if left < 0:
+        return None
+    heap = [(t.time_s(b + 1), i) for i, (t, b) in enumerate(zip(kinds, base, strict=True))]
+    heapq.heapify(heap)
+    while left:  # the copies of the kind that stays fastest, all at once: none of them is slower
+        _, i = heapq.heappop(heap)
+        given = min(copies[i] - ahead[i], left)
+        ahead[i], left = ahead[i] + given, left - given
+        if ahead[i] == copies[i]:
+            base[i], ahead[i] = base[i] + 1, 0
+        heapq.heappush(heap, (kinds[i].time_s(base[i] + 1), i))
+    slowest = max(t.time_s(b + (1 if a else 0)) for t, b, a in zip(kinds, base, ahead, strict=True))
+    pipelines = sum(copies)
+    exposed = plan_sync_s([(pricing(pipelines, t), t.hide_s) for t in kinds])
+    return slowest + exposed + max(t.optimizer_s for t in kinds)
 
 
 def grid_misfit(

@@ -308,6 +308,8 @@ def search(
             continue
         seeded = {r: [] for r in mode.modes}
         for plan in seeds if inter else ():
+            if (plan.solver or {}).get("bound_only"):
+                continue  # it bounds the search (solver._seeded_search), its pipelines stay out
             for p in plan.pipelines if plan.micro_batch_size == mbs else ():
                 r = max((st.recompute for st in p.stages), key=RECOMPUTE_PASSES.index)
                 if p.num_chunks == 1 and r in seeded:  # an interleaved pipeline is a variant of its own

@@ -62,9 +62,14 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
     if S < 2 or any(e - s < v for s, e, _ in stages):
         return None
     worst_m = 2 * S - 1  # the largest first group (costmodel.schedule.groups)
-    for si, (s, e, tp) in enumerate(stages):
-        needed = math.ceil(schedule.peak_in_flight(si, S, v, worst_m) / v) + 1
-        if tables[tp].max_in_flight[s][e] < needed:
+    for si, ((s, e, tp), chunks) in enumerate(zip(stages, chunk_ranges(stages, v), strict=True)):
+        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally)
+        table = tables[tp]
+        weights = [table.kept_bytes[a][b] for a, b in chunks]
+        if (
+            schedule.peak_live(si, S, v, worst_m, weights)
+            > table.max_in_flight[s][e] * table.kept_bytes[s][e]
+        ):
             return None
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
     inner = sum(exchanges_s(tables, stages, template.runs))
@@ -88,15 +93,16 @@ def with_interleaving(
     both (module docstring)."""
     out = []
     for template in templates:
-        most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-        variants = [
-            v for v in (interleaved(template, tables, k) for k in range(2, most + 1)) if v is not None
-        ]
-        if not variants:
-            out.append(template)
-            continue
         # the micro-batches a pipeline of this template gets when the whole cluster runs copies of it
         m = max(template.num_stages, math.ceil(num_microbatches * template.num_gpus / gpus))
-        best = min(variants, key=lambda t: t.time_s(m))
-        out += lower_envelope([template, best])
+        best = fastest_variant(template, tables, m)
+        out += [template] if best is None else lower_envelope([template, best])
     return out
+
+
+def fastest_variant(template: Template, tables: dict[int, StageTable], m: int) -> Template | None:
+    """The interleaved variant of `template` (2 to MAX_CHUNKS chunks) fastest at `m` micro-batches,
+    or None where no chunk count is possible."""
+    most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
+    variants = [v for v in (interleaved(template, tables, k) for k in range(2, most + 1)) if v is not None]
+    return min(variants, key=lambda t: t.time_s(m), default=None)

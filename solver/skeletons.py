@@ -50,6 +50,13 @@ DEEP = 2  # pipelines of one TP group per whole node go up to this many times ma
 _SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=16)
 
 
+def splitter_of(tables: dict[int, StageTable], num_layers: int) -> "Splitter":
+    """The splitter of these stage tables, shared by the searches of a solve (`_SPLITTERS`)."""
+    return _SPLITTERS.get(
+        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
+    )
+
+
 def most_runs(max_runs: int) -> int:
     """The most node runs of any skeleton of the family bounded by `max_runs`."""
     return max(DEEP * max_runs, LEFTOVER_RUNS)
@@ -429,9 +436,7 @@ def generate_skeletal(
     single_node: bool,
     max_runs: int,
 ) -> list[Template]:
-    splitter = _SPLITTERS.get(
-        tuple(tables[t] for t in sorted(tables)), num_layers, lambda: Splitter(tables, num_layers)
-    )
+    splitter = splitter_of(tables, num_layers)
     packer = Packer(capacities)
     out = []
     for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):

@@ -44,6 +44,8 @@ class StageTable:
     exchange_s[(t, inter)][e]: one micro-batch's exchange across the boundary from a stage ending at
         e to a stage of TP degree t, inside a node or across nodes (`CostModel.exchange_s`).
     bwd_s[s][e]: backward per micro-batch (the window its gradient reduction overlaps).
+    kept_bytes[s][e]: the activations one more micro-batch in flight adds (what max_in_flight
+        divides the free memory by; an interleaved stage keeps its chunks' own, `solver.interleave`).
     """
 
     tp: int
@@ -55,6 +57,7 @@ class StageTable:
     optimizer_s: list[list[float]]
     bwd_s: list[list[float]]
     bucket_bytes: int  # of the gradient buckets (the plans' optimizer layout)
+    kept_bytes: list[list[int]]
 
 
 def sync_terms(
@@ -168,6 +171,7 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         optimizer_s=np.asarray(grid.optimizer_s).tolist(),
         bwd_s=np.asarray(grid.bwd_s).tolist(),
         bucket_bytes=cm.optimizer.bucket_bytes,
+        kept_bytes=per_micro_batch.tolist(),
     )
 
 
