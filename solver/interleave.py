@@ -12,11 +12,11 @@ exactly its compute, parameters, optimizer step and gradient sync, and only the 
       A = sum_s W_s / v + 2 (sum_inner c + (v - 1) c_wrap) + (1 - 1/v) P + (2v / S) sum_inner c
   with W_s = F_s + B_s, P = max_s W_s, c the links of the template (the wrap-around link from the
   last stage to the first is inter-node unless both are in one run);
-- memory: stage s keeps `costmodel.schedule.peak_in_flight(s, S, v, m)` chunk activations, which is
-  largest when the first micro-batch group is largest (m % S = S - 1, or 2S - 1 micro-batches):
-  that many over v micro-batches' worth, plus one for the chunks' own boundary tensors, must fit
-  (`StageTable.max_in_flight`), whatever m the master picks. Conservative: the plan's own estimate
-  counts its m exactly.
+- memory: stage s keeps its live chunk-forwards' activations, each chunk its own bytes
+  (`StageTable.kept_bytes` of the chunk's layers: chunks of unequal layers weigh unequally); their
+  most at any micro-batch count m >= S (`costmodel.schedule.live_peaks_any`) must fit in what the
+  stage's memory leaves for activations (`max_in_flight` times its contiguous range's bytes),
+  whatever m the master picks. Conservative: the plan's own estimate counts its m exactly.
 
 Per template, one variant joins it: the chunk count (2 to MAX_CHUNKS, at most its smallest stage's
 layers) fastest at the micro-batches the template's pipelines get when the whole cluster runs copies
@@ -27,8 +27,11 @@ count fastest only at a micro-batch count far from that estimate is not offered.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from costmodel import schedule
 from solver.stages import StageTable, exchanges_s
@@ -61,14 +64,16 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
     S = len(stages)
     if S < 2 or any(e - s < v for s, e, _ in stages):
         return None
-    worst_m = 2 * S - 1  # the largest first group (costmodel.schedule.groups)
     for si, ((s, e, tp), chunks) in enumerate(zip(stages, chunk_ranges(stages, v), strict=True)):
-        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally)
+        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally), at
+        # whatever micro-batch count the master gives the pipeline
         table = tables[tp]
         weights = [table.kept_bytes[a][b] for a, b in chunks]
-        if (
-            schedule.peak_live(si, S, v, worst_m, weights)
-            > table.max_in_flight[s][e] * table.kept_bytes[s][e]
+        room = table.max_in_flight[s][e] * table.kept_bytes[s][e]
+        # most chunks alive at once (at the largest first group) times the heaviest: enough where
+        # memory does not bind; else the exact peak over every micro-batch count
+        if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) > room and (
+            float((_live_peaks(si, S, v) @ np.asarray(weights, dtype=float)).max()) > room
         ):
             return None
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
@@ -84,6 +89,12 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
         bottleneck_s=slowest + steady,
         chunks=v,
     )
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _live_peaks(stage: int, num_stages: int, num_chunks: int) -> np.ndarray:
+    """`costmodel.schedule.live_peaks_any` as an array (one row per moment, one column per chunk)."""
+    return np.array(schedule.live_peaks_any(stage, num_stages, num_chunks), dtype=float)
 
 
 def with_interleaving(
