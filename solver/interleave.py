@@ -73,7 +73,7 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
         # most chunks alive at once (at the largest first group) times the heaviest: enough where
         # memory does not bind; else the exact peak over every micro-batch count
         if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) > room and (
-            float((_live_peaks(si, S, v) @ np.asarray(weights, dtype=float)).max()) > room
+            float((live_peaks(si, S, v) @ np.asarray(weights, dtype=float)).max()) > room
         ):
             return None
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
@@ -92,9 +92,27 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _live_peaks(stage: int, num_stages: int, num_chunks: int) -> np.ndarray:
-    """`costmodel.schedule.live_peaks_any` as an array (one row per moment, one column per chunk)."""
-    return np.array(schedule.live_peaks_any(stage, num_stages, num_chunks), dtype=float)
+def live_peaks(stage: int, num_stages: int, num_chunks: int) -> np.ndarray:
+    """The live chunk-forwards per chunk (columns) at every moment their weighted sum could peak on
+    `stage`, at any micro-batch count m in [S, 4S) (`costmodel.schedule.live_peaks_any`, which this
+    computes from prefix counts instead of walking each program: the solver asks it of pipelines
+    of up to 82 stages). After the warm-up's w forwards, step j runs forward w + j then backward j
+    of the same table with its chunks reversed, so after that forward chunk k has P_k(w + j + 1) -
+    P_{v-1-k}(j) alive, P_k(n) the table's first n entries of chunk k."""
+    S, v = num_stages, num_chunks
+    rows = []
+    for m in range(S, 4 * S):
+        chunks = np.array([k for _, k in schedule.table(S, v, m)])
+        prefix = np.vstack(
+            [np.zeros(v, dtype=np.int64), np.cumsum(np.eye(v, dtype=np.int64)[chunks], axis=0)]
+        )
+        n, w = len(chunks), schedule.warmup(stage, S, v, m)
+        if w == n:
+            rows.append(prefix[n][None, :])
+            continue
+        steps = np.arange(n - w)
+        rows.append(prefix[w + steps + 1] - prefix[steps][:, ::-1])
+    return np.unique(np.vstack(rows), axis=0).astype(float)
 
 
 def with_interleaving(

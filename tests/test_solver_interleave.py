@@ -2,18 +2,20 @@
 plans they become, and what choosing chunks buys."""
 
 import dataclasses
+import random
 
+import numpy as np
 import pytest
 
 import solver
 import solver.placement
-from costmodel import PRESETS, ClusterSpec
+from costmodel import PRESETS, ClusterSpec, schedule
 from costmodel.estimate import CostModel
 from costmodel.schedule import interleaved_time_s
 from profiler.analytic import analytic_profile
 from solver import baselines
 from solver.core import tp_degrees
-from solver.interleave import chunk_ranges, interleaved
+from solver.interleave import chunk_ranges, interleaved, live_peaks
 from solver.stages import stage_table
 from solver.templates import Template
 
@@ -168,3 +170,15 @@ def test_an_interleaved_answer_fits_as_the_solver_checked_it(p7):
     plan = solver.solve(p7, cluster, 128, interleave=True)
     assert "nccl_reserve_bytes" not in plan.solver and plan.solver["status"] == "OPTIMAL"
     assert CostModel(p7, cluster).estimate(plan.validate(cluster)).fits
+
+
+def test_the_solvers_live_peaks_are_the_schedules():
+    """`solver.interleave` reads an interleaved stage's peak off prefix counts of the forward table;
+    it must be `costmodel.schedule.peak_live_any`, which walks every program."""
+    rng = random.Random(5)
+    for _ in range(150):
+        S, v = rng.randint(2, 9), rng.randint(2, 6)
+        stage = rng.randrange(S)
+        weights = [rng.choice([0.8, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.95, 1.05) for _ in range(v)]
+        fast = float((live_peaks(stage, S, v) @ np.asarray(weights)).max())
+        assert fast == pytest.approx(schedule.peak_live_any(stage, S, v, weights), rel=1e-12)
