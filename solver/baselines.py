@@ -258,10 +258,11 @@ def deep_grids(
     tokens with chunks planned 12 pipelines of 41 TP-4 stages (2 chunks of 82 layers) on 251
     nodes of 8 but could not on 256, where only 42- and 43-stage pipelines of TP 4 were offered,
     and planned 7.9% slower there. A grid of depth d on a cluster is a grid of depth d on any
-    cluster with more TP groups, so the best grid here is at least as fast as the best grid of every smaller
-    cluster, up to where its node boundaries fall and what more pipelines add to the gradient sync
-    (the grid takes as many as the groups hold). It is priced as the master prices plans (`plan_cost_s`); with
-    `interleave` each pipeline runs its fastest chunk count (solver.interleave). The plan bounds
+    cluster with more TP groups, so the best grid here is at least as fast as the best grid of
+    every smaller cluster, up to where its node boundaries fall and what more pipelines add to the
+    gradient sync (the grid takes as many as the groups hold). It is priced as the master prices
+    plans (`plan_cost_s`); with `interleave` each pipeline runs its fastest chunk count
+    (solver.interleave). The plan bounds
     the search and is its answer where nothing faster exists, but its pipelines do not join the
     search's templates (its solver block says `bound_only`): deep templates make the master slow
     (llama2-70b on 987 GPUs with chunks: 41 s to a time limit against 14-19 s proven)."""
