@@ -104,55 +104,14 @@ def sends(stage: int, to: int, num_stages: int, num_chunks: int, m: int) -> list
 def peak_live(stage: int, num_stages: int, num_chunks: int, m: int, weights: Sequence[float]) -> float:
     """The most activation a stage keeps at once: each chunk-forward's activation (weights[chunk])
     lives until its backward. Exact: it depends only on the stage's own order."""
-    return max(
-        sum(n * w for n, w in zip(row, weights, strict=True))
-        for row in live_peaks(stage, num_stages, num_chunks, m)
-    )
-
-
-def peak_live_any(stage: int, num_stages: int, num_chunks: int, weights: Sequence[float]) -> float:
-    """`peak_live` at the number of micro-batches (at least `num_stages`) where it is largest."""
-    return max(
-        sum(n * w for n, w in zip(row, weights, strict=True))
-        for row in live_peaks_any(stage, num_stages, num_chunks)
-    )
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def live_peaks_any(stage: int, num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
-    """`live_peaks` at any number of micro-batches m >= num_stages: those of m below 4 * num_stages
-    (by then every size of the first group has come with every number of groups that can matter;
-    tests/test_interleaved_schedule.py checks m up to 8 * num_stages). With weights of unequal
-    chunks the peak need not come at the largest first group (m = 2S - 1): a stage whose first
-    chunk weighs twice the others peaks higher at m = 43 than at 9 when S = 5, v = 6."""
-    S = num_stages
-    rows = {row for m in range(S, 4 * S) for row in live_peaks(stage, S, num_chunks, m)}
-    kept = []
-    for row in sorted(rows, key=sum, reverse=True):
-        if not any(all(a >= b for a, b in zip(other, row, strict=True)) for other in kept):
-            kept.append(row)
-    return tuple(kept)
-
-
-@functools.lru_cache(maxsize=1 << 14)  # the solver weighs the same few shapes' chunks many times
-def live_peaks(stage: int, num_stages: int, num_chunks: int, m: int) -> tuple[tuple[int, ...], ...]:
-    """The live chunk-forwards per chunk at each moment the stage's live set could peak for some
-    non-negative weights: after each run of forwards, keeping only the counts no other moment
-    covers in every chunk."""
-    live, moments = [0] * num_chunks, []
-    ops = program(stage, num_stages, num_chunks, m)
-    for i, op in enumerate(ops):
+    live = peak = 0.0
+    for op in program(stage, num_stages, num_chunks, m):
         if op.kind == "F":
-            live[op.chunk] += 1
-            if i + 1 == len(ops) or ops[i + 1].kind != "F":
-                moments.append(tuple(live))
+            live += weights[op.chunk]
+            peak = max(peak, live)
         else:
-            live[op.chunk] -= 1
-    kept = []
-    for row in sorted(set(moments), key=sum, reverse=True):
-        if not any(all(a >= b for a, b in zip(other, row, strict=True)) for other in kept):
-            kept.append(row)
-    return tuple(kept)
+            live -= weights[op.chunk]
+    return peak
 
 
 @functools.lru_cache(maxsize=1 << 14)  # the solver asks for the same few shapes many times

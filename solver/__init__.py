@@ -535,10 +535,11 @@ def _elastor(
     profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan, so the
-    uniform and pow2-greedy baselines run first, and the grid of any depth (`baselines.deep_grids`,
-    which keeps a smaller cluster's grid depth in a bigger cluster's family): their pipelines join
-    the templates, and the best of their plans bounds the search, which then only looks for a faster
-    one (and returns that plan, proven optimal in the family with its pipelines, when there is none).
+    uniform and pow2-greedy baselines run first: their pipelines join the templates, and the best of
+    their plans bounds the search, which then only looks for a faster one (and returns that plan,
+    proven optimal in the family with its pipelines, when there is none). The grid of any depth
+    (`baselines.deep_grids`, which keeps a smaller cluster's grid depth on a bigger cluster) runs
+    with them and bounds the search too, but its pipelines stay out of the templates.
 
     Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
     and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must

@@ -262,10 +262,10 @@ def deep_grids(
     every smaller cluster, up to where its node boundaries fall and what more pipelines add to the
     gradient sync (the grid takes as many as the groups hold). It is priced as the master prices
     plans (`plan_cost_s`); with `interleave` each pipeline runs its fastest chunk count
-    (solver.interleave). The plan bounds
-    the search and is its answer where nothing faster exists, but its pipelines do not join the
-    search's templates (its solver block says `bound_only`): deep templates make the master slow
-    (llama2-70b on 987 GPUs with chunks: 41 s to a time limit against 14-19 s proven)."""
+    (solver.interleave). The plan bounds the search and is its answer where nothing faster exists,
+    but its pipelines do not join the search's templates (its solver block says `bound_only`):
+    deep templates make the master slow (llama2-70b on 987 GPUs with chunks: 41 s to a time limit
+    against 14-19 s proven)."""
     if not block_uniform(profile):
         return None
     cm = CostModel(profile, cluster, recompute=recompute)
@@ -292,71 +292,52 @@ def deep_grids(
         found = _grid_templates(splitter_of(tables[mbs], L), groups, tp, pp, dp)
         if found is None:
             continue
-        kinds, copies = found
+        kinds, of_pipeline = found
         if interleave:
-            kinds = _fastest_variants(kinds, tables[mbs], math.ceil(N / dp))
+            kinds = [_fastest_variant(t, tables[mbs], math.ceil(N / dp)) for t in kinds]
+        copies = [of_pipeline.count(i) for i in range(len(kinds))]
         inter = groups[0][0] != groups[dp * pp - 1][0]
         cost = _copies_cost_s(kinds, copies, N, pricing[inter])
         if cost is not None and (best is None or cost < best[0]):
-            best = (cost, mbs, tp, pp, dp, inter)
+            best = (cost, mbs, tp, [kinds[i] for i in of_pipeline])
     if best is None:
         return None
-    cost, mbs, tp, pp, dp, inter = best
-    groups = _tp_groups(cluster, tp)
-    pipes = [
-        _grid_template(splitter_of(tables[mbs], L), groups[j * pp : (j + 1) * pp], tp) for j in range(dp)
-    ]
-    if interleave:
-        pipes = _fastest_variants(pipes, tables[mbs], math.ceil(gbs // mbs / dp))
-    counts = balance(pipes, gbs // mbs)
+    cost, mbs, tp, pipes = best
+    groups, pp = _tp_groups(cluster, tp), len(pipes[0].stages)
     placed = []
     for j, t in enumerate(pipes):
         layers = chunk_ranges(t.stages, t.chunks) if t.chunks > 1 else [(s, e) for s, e, _ in t.stages]
         placed.append([(chunks, tp, *groups[j * pp + i]) for i, chunks in enumerate(layers)])
-    plan = _plan(cm, cluster, gbs, mbs, placed, counts)
+    plan = _plan(cm, cluster, gbs, mbs, placed, balance(pipes, gbs // mbs))
     return cost, dataclasses.replace(plan, solver={"method": "deep-grid", "bound_only": True})
 
 
-def _fastest_variants(templates: list[Template], tables: dict[int, StageTable], m: int) -> list[Template]:
-    """Each template, or its interleaved variant fastest at `m` micro-batches where that is faster."""
-    out, known = [], {}
-    for t in templates:
-        if id(t) not in known:
-            variant = fastest_variant(t, tables, m)
-            known[id(t)] = t if variant is None or t.time_s(m) <= variant.time_s(m) else variant
-        out.append(known[id(t)])
-    return out
-
-
-def _grid_template(splitter: Splitter, member: Sequence[tuple[int, int]], tp: int) -> Template | None:
-    """The template of one pipeline on consecutive TP groups `member` (node index, first GPU), or
-    None where it does not fit in memory."""
-    runs = tuple(itertools.accumulate((a[0] != b[0] for a, b in pairwise(member)), initial=0))
-    split = splitter.templates((tp,) * len(member), runs)
-    return split[0] if split else None
+def _fastest_variant(template: Template, tables: dict[int, StageTable], m: int) -> Template:
+    """`template`, or its interleaved variant fastest at `m` micro-batches where that is faster."""
+    variant = fastest_variant(template, tables, m)
+    return template if variant is None or template.time_s(m) <= variant.time_s(m) else variant
 
 
 def _grid_templates(
     splitter: Splitter, groups: list[tuple[int, int]], tp: int, pp: int, dp: int
 ) -> tuple[list[Template], list[int]] | None:
-    """The distinct templates of the `dp` pipelines of `pp` consecutive TP groups and how many
-    pipelines each (pipelines differ only in where their node changes fall), or None where one does
-    not fit in memory."""
+    """The distinct templates of the `dp` pipelines of `pp` consecutive TP groups (pipelines differ
+    only in where their node changes fall) and each pipeline's, by index; None where one does not
+    fit in memory."""
     index: dict[tuple[int, ...], int] = {}
     kinds: list[Template] = []
-    copies: list[int] = []
+    of_pipeline: list[int] = []
     for j in range(dp):
         member = groups[j * pp : (j + 1) * pp]
         runs = tuple(itertools.accumulate((a[0] != b[0] for a, b in pairwise(member)), initial=0))
         if runs not in index:
-            template = _grid_template(splitter, member, tp)
-            if template is None:
+            split = splitter.templates((tp,) * pp, runs)
+            if not split:
                 return None
             index[runs] = len(kinds)
-            kinds.append(template)
-            copies.append(0)
-        copies[index[runs]] += 1
-    return kinds, copies
+            kinds.append(split[0])
+        of_pipeline.append(index[runs])
+    return kinds, of_pipeline
 
 
 def _copies_cost_s(kinds: list[Template], copies: list[int], N: int, pricing) -> float | None:

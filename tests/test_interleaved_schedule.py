@@ -123,30 +123,3 @@ def test_peak_live_counts_each_chunk_until_its_backward():
     assert sc.peak_in_flight(3, 4, 2, 8) == 5
     assert sc.peak_live(0, 4, 2, 8, [3.0, 1.0]) == pytest.approx(8 * 3.0)
     assert sc.peak_live(0, 4, 2, 8, [1.0, 3.0]) == pytest.approx(4 * 1.0 + 4 * 3.0)
-
-
-def _walked_peak(stage, S, v, m, weights) -> float:
-    """The live activation's most, op by op (what `peak_live` reads off its cached moments)."""
-    live = peak = 0.0
-    for op in sc.program(stage, S, v, m):
-        live += weights[op.chunk] if op.kind == "F" else -weights[op.chunk]
-        peak = max(peak, live)
-    return peak
-
-
-def test_peak_live_and_its_bound_over_micro_batch_counts_match_walking_the_order():
-    """`peak_live` keeps only the moments that can peak; `peak_live_any`, which the solver checks
-    an interleaved pipeline's memory with, is the most over every m >= S: checked against m up to
-    8S on random shapes with chunks of unequal weight (where the peak is not at the largest first
-    group: stage 1 of 5 with 6 chunks, the first twice the others, peaks higher at m = 43 than at 9)."""
-    rng = random.Random(7)
-    for _ in range(150):
-        S, v = rng.randint(2, 9), rng.randint(2, 6)
-        stage = rng.randrange(S)
-        weights = [rng.choice([0.8, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.95, 1.05) for _ in range(v)]
-        walked = [_walked_peak(stage, S, v, m, weights) for m in range(S, 8 * S)]
-        for m, peak in zip(range(S, 8 * S), walked, strict=True):
-            assert sc.peak_live(stage, S, v, m, weights) == pytest.approx(peak, rel=1e-12)
-        assert sc.peak_live_any(stage, S, v, weights) == pytest.approx(max(walked), rel=1e-12)
-    heavy_first = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert sc.peak_live(1, 5, 6, 43, heavy_first) > sc.peak_live(1, 5, 6, 9, heavy_first)

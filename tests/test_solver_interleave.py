@@ -122,9 +122,10 @@ def test_giving_back_recomputation_keeps_an_interleaved_plan_within_memory(
 ):
     """An interleaved stage's peak weighs its chunks by what each keeps, and without recomputation
     the head's chunk keeps far more than under full recomputation: the lighter mode must be judged
-    by its own weights. Judged by the full mode's, the last stage of these grids went back to no
-    recomputation and needed up to 104 GiB of the 73.6 usable (llama3-70b on 32 nodes of 8 then
-    planned 29% slower, its answer taken for one short of NCCL buffers)."""
+    by its own weights. Judged by the full mode's, each of these grids came back from the
+    relaxation no longer fitting (on llama3-70b on 32 nodes of 8 a last stage so relaxed needed
+    104 GiB of the 73.6 usable, and the solve, taking that for one short of NCCL buffers, planned
+    29% slower)."""
     cluster = ClusterSpec.parse("8,8,8,8,8,8", p70.device_kind)
     full = CostModel(p70, cluster, recompute="full")
     plan = baselines.grid_plan(full, cluster, gbs, baselines._Candidate(1, tp, pp, 1), chunks)
@@ -172,13 +173,23 @@ def test_an_interleaved_answer_fits_as_the_solver_checked_it(p7):
     assert CostModel(p7, cluster).estimate(plan.validate(cluster)).fits
 
 
-def test_the_solvers_live_peaks_are_the_schedules():
-    """`solver.interleave` reads an interleaved stage's peak off prefix counts of the forward table;
-    it must be `costmodel.schedule.peak_live_any`, which walks every program."""
+def test_the_solvers_live_peaks_hold_the_peak_at_every_micro_batch_count():
+    """`solver.interleave.live_peaks` reads an interleaved stage's live chunks off prefix counts of
+    the forward table, for m in [S, 6S); weighted, its most must be the most of
+    `costmodel.schedule.peak_live` (which walks the stage's program) over every m, here up to 12S,
+    on random shapes with chunks of unequal weight. There the peak need not come at the largest
+    first group: stage 1 of 5 with 6 chunks, the first twice the others, peaks higher at m = 43
+    than at 9 (what the solver's check at m = 2S - 1 alone missed), and stage 0 of 9 with 6 chunks
+    of weights below peaks first at m = 44 (m in [S, 4S) alone missed that)."""
     rng = random.Random(5)
+    shapes = [(9, 6, 0, [0.77, 2.04, 1.05, 0.83, 1.0, 1.48])]
     for _ in range(150):
-        S, v = rng.randint(2, 9), rng.randint(2, 6)
-        stage = rng.randrange(S)
-        weights = [rng.choice([0.8, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.95, 1.05) for _ in range(v)]
+        S, v = rng.randint(2, 12), rng.randint(2, 8)
+        weights = [rng.choice([0.5, 0.8, 1.0, 1.5, 2.0, 3.0]) * rng.uniform(0.9, 1.1) for _ in range(v)]
+        shapes.append((S, v, rng.randrange(S), weights))
+    for S, v, stage, weights in shapes:
         fast = float((live_peaks(stage, S, v) @ np.asarray(weights)).max())
-        assert fast == pytest.approx(schedule.peak_live_any(stage, S, v, weights), rel=1e-12)
+        walked = max(schedule.peak_live(stage, S, v, m, weights) for m in range(S, 12 * S))
+        assert fast == pytest.approx(walked, rel=1e-12), (S, v, stage)
+    heavy_first = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert schedule.peak_live(1, 5, 6, 43, heavy_first) > schedule.peak_live(1, 5, 6, 9, heavy_first)
