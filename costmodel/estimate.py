@@ -37,9 +37,12 @@ pipeline's device of most parameters sets its time. Links cross nodes whenever t
 The runtime issues each bucket as soon as backward has produced it (runtime/dist_optim.py), so only
 the remainder counts (`SyncCost.exposed_s`): the reduction less the window backward leaves it
 (`hide_window_s`; the least over the plan's pipelines, since every bucket has a holder in each),
-and never less than what backward produces last. tests/test_overlap_model.py holds this against a
-step-by-step simulation of the schedule, the buckets and their holders sharing links. The ZeRO-1
-gather follows the step and is never hidden.
+and never less than what backward produces last. Under interleaved 1F1B a stage's chunks finish
+their backward one after another and no bucket spans two chunks (`costmodel.sharding`), so each
+chunk's buckets reduce while the stage still runs the others' backwards (`chunk_hide`: a window per
+chunk). tests/test_overlap_model.py holds this against a step-by-step simulation of the schedule
+(the interleaved one replayed), the buckets and their holders sharing links. The ZeRO-1 gather
+follows the step and is never hidden.
 
 Optimizer step: what the runtime does to a stage's gradients besides the sync (zero them, sum their
 squares for the global norm, clip, AdamW, publish the masters). Measured profiles carry its time per
@@ -248,6 +251,65 @@ def hide_window_s(bwd_s: Sequence[float], p2p_s: Sequence[float], buckets: Seque
         hide = min(hide, b * (1 - 1 / max(1, k)) + cooling)
         cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
     return hide
+
+
+HideTerms = tuple[tuple[float, float], ...]  # (share of the reduction, window) pairs: `chunk_hide`
+
+
+def chunk_hide(
+    bwd_s: Sequence[Sequence[float]],
+    p2p_s: Sequence[float],
+    params: Sequence[Sequence[int]],
+    buckets: Sequence[Sequence[int]],
+) -> tuple[float, HideTerms]:
+    """`hide_window_s` for a pipeline under interleaved 1F1B, where each stage's chunks finish their
+    backward one after another: chunk k of stage s (backward b_sk per micro-batch, K_sk buckets,
+    the share Q_sk of the stage's parameters in its chunks 0..k) is complete a window E_sk before the
+    pipeline ends, and its buckets (the runtime issues chunk v-1's first: latest layer first, and no
+    bucket spans two chunks, `costmodel.sharding`) reduce while the stage runs the rest.
+
+    E_sk is a lower bound on what still runs after chunk k's last backward on stage s, the larger of
+    (a) the stage's own remaining backwards, S of every earlier chunk (its last group of the
+    schedule: S micro-batches whenever m >= 2S, more below) followed by the cool-down in front of
+    it, sum_{s' < s} (b_s'0 + c_s'), and (b) the last micro-batch's chain through every earlier
+    virtual stage: sum_{s' < s} (b_s'k + c_s') plus, per earlier chunk, all stages' backwards, the
+    inner links and the wrap-around link (p2p_s[S - 1]).
+
+    A stage whose reduction takes R (set by the pipeline's widest device, so conservative for the
+    others) then finishes at the latest of its buckets' ready times plus what is queued from them:
+    for chunk k, R Q_sk - (E_sk + b_sk (1 - 1/K_sk)) from its first bucket and
+    R (Q_s,k-1 + q_sk / K_sk) - E_sk from its last (q_sk its own share), as `hide_window_s` for one
+    range. The term of chunk v-1's first bucket has share 1: its window, the least over stages, is
+    the pipeline's hide window (returned first); the other terms are returned as (share, window)
+    pairs, those no other pair dominates, for `CostModel.sync` to add to the floor. At v = 1 this
+    is `hide_window_s` and no terms. tests/test_overlap_model.py holds it against a simulation of
+    the replayed schedule."""
+    S, v = len(bwd_s), len(bwd_s[0])
+    wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
+    inner = list(p2p_s[: S - 1])
+    per_chunk = [sum(bwd_s[s][k] for s in range(S)) + sum(inner) + wrap for k in range(v)]
+    hide, terms = math.inf, []
+    for s in range(S):
+        total = max(1, sum(params[s]))
+        cool = sum(bwd_s[t][0] + inner[t] for t in range(s))
+        before = 0.0  # share of chunks 0..k-1
+        for k in range(v):
+            own = S * sum(bwd_s[s][:k]) + cool
+            chain = sum(bwd_s[t][k] + inner[t] for t in range(s)) + sum(per_chunk[:k])
+            window = max(own, chain)
+            share, K, b = params[s][k] / total, max(1, buckets[s][k]), bwd_s[s][k]
+            first = window + b * (1 - 1 / K)
+            if k == v - 1:
+                hide = min(hide, first)
+            else:
+                terms.append((before + share, first))
+            terms.append((before + share / K, window))
+            before += share
+    kept: list[tuple[float, float]] = []
+    for share, window in sorted(terms, key=lambda t: (-t[0], t[1])):
+        if window < hide and all(window < w for _, w in kept):
+            kept.append((share, window))
+    return hide, tuple(kept)
 
 
 def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m: int) -> float:
@@ -629,6 +691,7 @@ class CostModel:
         last_params: int = 0,
         sharding: str = "none",
         bucket_bytes: int = BUCKET_BYTES,
+        partial: HideTerms = (),
     ) -> SyncCost:
         """A pipeline's gradient reduction with the other pipelines' holders (one per pipeline),
         set by its device of most parameters (`params`): ring all-reduce of the fp32 main gradients
@@ -636,7 +699,9 @@ class CostModel:
         of the updated parameters in the plan's dtype. The reduction overlaps backward (its
         buckets are issued as they become ready), all but the `last_params` that backward
         produces last (the first stage's first layer: an embedding's gradient is complete only
-        when backward ends) and at least one bucket; the gather overlaps nothing."""
+        when backward ends) and at least one bucket; the gather overlaps nothing. `partial`: an
+        interleaved pipeline's chunk terms (`chunk_hide`), each a share of the reduction that must
+        wait for a window, also never hidden."""
         P = num_pipelines
         if P <= 1:
             return SyncCost(0.0, 0.0, 0.0)
@@ -653,7 +718,8 @@ class CostModel:
         if sharding == "zero1":
             dtype_bytes = self.profile.bytes_per_param
             gather = k * all_gather_s(params * dtype_bytes / k, P, self.link("all_gather", inter_node))
-        return SyncCost(reduce, max(reduce / k, reduced_s(last_params)), gather)
+        floor = max(reduce / k, reduced_s(last_params), *(reduce * share - w for share, w in partial))
+        return SyncCost(reduce, floor, gather)
 
     # ---- a whole plan ---------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:
@@ -692,7 +758,17 @@ class CostModel:
                     costs[-1], costs[0].tp, costs[0].sequence_parallel, _crosses_nodes(pipe, S - 1, 0)
                 )
                 time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v)
-            buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
+            if v == 1:
+                buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
+                window, terms = hide_window_s(bwd, p2p, buckets), ()
+            else:  # each chunk's buckets reduce as soon as its backward is done
+                chunks = [self.chunk_costs(st, mbs) for st in pipe.stages]
+                window, terms = chunk_hide(
+                    [[c.bwd_s for c in cs] for cs in chunks],
+                    [*p2p, wrap],
+                    [[c.param_count for c in cs] for cs in chunks],
+                    [[buckets_of(c.param_count, layout.bucket_bytes) for c in cs] for cs in chunks],
+                )
             sync = self.sync(
                 max(c.param_count for c in costs),
                 P,
@@ -700,8 +776,9 @@ class CostModel:
                 last_params=self.stage(0, 1, costs[0].tp, mbs).param_count,
                 sharding=layout.sharding,
                 bucket_bytes=layout.bucket_bytes,
+                partial=terms,
             )
-            priced.append((costs, p2p, time_s, sync, hide_window_s([c.bwd_s for c in costs], p2p, buckets)))
+            priced.append((costs, p2p, time_s, sync, window))
         hide = min(h for *_, h in priced)  # every bucket waits for its holder in the least-hiding pipeline
         stages: list[StagePrediction] = []
         for pi, (pipe, (costs, p2p, time_s, sync, _)) in enumerate(zip(plan.pipelines, priced, strict=True)):

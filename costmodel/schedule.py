@@ -132,6 +132,16 @@ def replay(
     fwd[s][k], bwd[s][k]: chunk k's times on stage s; p2p[s]: the link from stage s to stage s + 1
     (p2p[S - 1]: from the last stage back to the first, which carries chunk k's output to chunk
     k + 1; unused at v = 1), the same time in both directions."""
+    return replay_ops(fwd, bwd, p2p, m)[0]
+
+
+def replay_ops(
+    fwd: Sequence[Sequence[float]],
+    bwd: Sequence[Sequence[float]],
+    p2p: Sequence[float],
+    m: int,
+) -> tuple[list[float], dict[tuple[int, Op], float]]:
+    """`replay`, with the end time of every (stage, op) as well."""
     S, v = len(fwd), len(fwd[0])
     programs = [program(s, S, v, m) for s in range(S)]
     ends: dict[tuple[int, Op], float] = {}
@@ -160,7 +170,7 @@ def replay(
                 progressed = True
     if any(c < len(p) for c, p in zip(cursor, programs, strict=True)):
         raise RuntimeError(f"the interleaved schedule deadlocks: {S} stages, {v} chunks, {m} micro-batches")
-    return clock
+    return clock, ends
 
 
 def interleaved_time_s(

@@ -4,6 +4,8 @@
 each group is cut into buckets of at most `plan.optimizer.bucket_bytes` of fp32 main gradient, in
 reverse layer order (the order backward produces gradients), at whole rows along each parameter's
 storage dimension (its TP split, else 0: the checkpoint's storage order, runtime/checkpoint/format.py).
+Under interleaved 1F1B no bucket spans two layer chunks of a holder's stage: each chunk's buckets
+are ready as soon as its last backward is done, well before the next chunk's.
 
 A bucket whose segments need a reduction (holders in two or more stages, or a sequence-parallel
 stage) is dealt into one region per holder, in rank order: contiguous runs of rows with as equal a
@@ -29,6 +31,7 @@ the runtime, the checkpoint and the cost model read the same slices.
 """
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -147,7 +150,6 @@ class Bucket:
 
 def buckets(plan: Plan) -> list[Bucket]:
     """Every bucket of the plan: the reduced ones in the global issue order, then the local ones."""
-    cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
     position = {
         s.name: i
         for i, s in enumerate(p for k in range(plan.model.num_layers) for p in layer_params(plan.model, k))
@@ -155,11 +157,10 @@ def buckets(plan: Plan) -> list[Bucket]:
     rank = {d: i for i, d in enumerate(plan.devices)}
     reduced, local = [], []
     zero1 = plan.optimizer.sharding == "zero1"
-    for holders, (needs_reduction, segs) in holder_sets(plan).items():
+    for holders, needs_reduction, chunk in _bucket_rows(plan):
         n = len(holders) if needs_reduction else 1
-        for chunk in _chunks([Rows(spec, box) for spec, box in reversed(segs)], cap):
-            bucket = Bucket(holders, _deal(chunk, n), needs_reduction, zero1 and needs_reduction)
-            (reduced if needs_reduction else local).append(bucket)
+        bucket = Bucket(holders, _deal(chunk, n), needs_reduction, zero1 and needs_reduction)
+        (reduced if needs_reduction else local).append(bucket)
     # Latest layer first (backward's order), then holders in rank order: the same list everywhere.
     reduced.sort(key=lambda b: (-position[b.rows[0].name], [rank[d] for d in b.holders]))
     return reduced + local
@@ -179,6 +180,44 @@ def state_boxes(plan: Plan) -> dict[str, list[tuple[ParamSpec, Box]]]:
             for i in bucket.kept(device):
                 kept[device].extend((rows.spec, rows.box) for rows in bucket.regions[i])
     return kept
+
+
+def _bucket_rows(plan: Plan) -> Iterator[tuple[tuple[str, ...], bool, list[Rows]]]:
+    """(holders, whether reduced, rows) of every bucket, holder set by holder set in rank order, each
+    set's rows in backward's order cut at layer chunks and at the bucket size."""
+    cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
+    layer = {p.name: k for k in range(plan.model.num_layers) for p in layer_params(plan.model, k)}
+    for holders, (needs_reduction, segs) in holder_sets(plan).items():
+        rows = [Rows(spec, box) for spec, box in reversed(segs)]
+        for run in _layer_chunk_runs(plan, holders, rows, layer):
+            for chunk in _chunks(run, cap):
+                yield holders, needs_reduction, chunk
+
+
+def _layer_chunk_runs(
+    plan: Plan, holders: tuple[str, ...], rows: list[Rows], layer: dict[str, int]
+) -> list[list[Rows]]:
+    """`rows` (backward's order) cut where a holder's stage passes from one layer chunk to another:
+    under interleaved 1F1B a chunk's gradients are complete long before the next chunk's, so a
+    bucket never waits for two chunks (as Megatron-LM keeps buckets per model chunk). One run for
+    plans of one chunk per stage."""
+    stages = [plan.pipelines[pi].stages[si] for pi, si in map(plan.placement, holders)]
+    if all(stage.num_chunks == 1 for stage in stages):
+        return [rows] if rows else []
+
+    def key(item: Rows) -> tuple[int, ...]:
+        k = layer[item.name]
+        return tuple(next((c for c, (a, b) in enumerate(st.chunks) if a <= k < b), -1) for st in stages)
+
+    runs: list[list[Rows]] = []
+    last = None
+    for item in rows:
+        at = key(item)
+        if at != last:
+            runs.append([])
+            last = at
+        runs[-1].append(item)
+    return runs
 
 
 def _chunks(rows: list[Rows], cap: int) -> list[list[Rows]]:
@@ -258,28 +297,26 @@ class StateBytes:
 def state_bytes(plan: Plan, dtype_bytes: int) -> dict[str, StateBytes]:
     """Per device, exactly what its buckets (`buckets`) allocate under `plan`. Counted from each
     bucket's cuts, without building its regions: this prices every plan the solver returns."""
-    cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
     zero1 = plan.optimizer.sharding == "zero1"
     totals = {d: [0, 0, 0, 0, []] for d in plan.devices}
-    for holders, (needs_reduction, segs) in holder_sets(plan).items():
+    for holders, needs_reduction, chunk in _bucket_rows(plan):
         n = len(holders) if needs_reduction else 1
-        for chunk in _chunks([Rows(spec, box) for spec, box in reversed(segs)], cap):
-            starts, cuts = _cuts(chunk, n)
-            runs = [len(_overlapping(starts, lo, hi)) for lo, hi in pairwise(cuts)]  # per region
-            if zero1 and needs_reduction:  # holder i keeps region i, padded to the largest
-                largest = max(hi - lo for lo, hi in pairwise(cuts))
-                numel, kept, pieces = n * largest, [largest] * n, runs
-            else:  # every holder keeps every region
-                numel = starts[-1]
-                kept, pieces = [numel] * len(holders), [sum(runs)] * len(holders)
-            for i, device in enumerate(holders):
-                t = totals[device]
-                t[0] += kept[i] * MAIN_GRAD_BYTES
-                t[1] += numel * MAIN_GRAD_BYTES
-                t[2] += 2 * kept[i] * MAIN_GRAD_BYTES
-                t[3] += pieces[i] * MAIN_GRAD_BYTES  # one AdamW step count per kept run of rows
-                if zero1 and needs_reduction:
-                    t[4].append(numel * dtype_bytes)
+        starts, cuts = _cuts(chunk, n)
+        runs = [len(_overlapping(starts, lo, hi)) for lo, hi in pairwise(cuts)]  # per region
+        if zero1 and needs_reduction:  # holder i keeps region i, padded to the largest
+            largest = max(hi - lo for lo, hi in pairwise(cuts))
+            numel, kept, pieces = n * largest, [largest] * n, runs
+        else:  # every holder keeps every region
+            numel = starts[-1]
+            kept, pieces = [numel] * len(holders), [sum(runs)] * len(holders)
+        for i, device in enumerate(holders):
+            t = totals[device]
+            t[0] += kept[i] * MAIN_GRAD_BYTES
+            t[1] += numel * MAIN_GRAD_BYTES
+            t[2] += 2 * kept[i] * MAIN_GRAD_BYTES
+            t[3] += pieces[i] * MAIN_GRAD_BYTES  # one AdamW step count per kept run of rows
+            if zero1 and needs_reduction:
+                t[4].append(numel * dtype_bytes)
     return {
         d: StateBytes(m, g, o, s, sum(sorted(gathers)[-GATHER_WINDOW:]))
         for d, (m, g, o, s, gathers) in totals.items()

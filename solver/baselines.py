@@ -249,7 +249,8 @@ def deep_grids(
     interleave: bool = False,
 ) -> tuple[float, Plan] | None:
     """A seed of Elastor's search, not a method: the fastest grid of identical one-degree pipelines
-    of any depth, as many of them as the cluster's TP groups (taken node by node) hold, each split
+    of any depth, as many of them as the cluster's TP groups (taken node by node) hold or the fewest
+    that give each micro-batch count per pipeline (fewer pipelines, less gradient sync), each split
     by the skeleton family's closed form and given any micro-batch count (`balance`). Only for
     models with identical blocks, where the skeleton family is searched.
 
@@ -259,8 +260,7 @@ def deep_grids(
     nodes of 8 but could not on 256, where only 42- and 43-stage pipelines of TP 4 were offered,
     and planned 7.9% slower there. A grid of depth d on a cluster is a grid of depth d on any
     cluster with more TP groups, so the best grid here is at least as fast as the best grid of
-    every smaller cluster, up to where its node boundaries fall and what more pipelines add to the
-    gradient sync (the grid takes as many as the groups hold). It is priced as the master prices
+    every smaller cluster, up to where its node boundaries fall. It is priced as the master prices
     plans (`plan_cost_s`); with `interleave` each pipeline runs its fastest chunk count
     (solver.interleave). The plan bounds the search and is its answer where nothing faster exists,
     but its pipelines do not join the search's templates (its solver block says `bound_only`):
@@ -279,11 +279,15 @@ def deep_grids(
             groups = len(_tp_groups(cluster, tp))
             work = sum(table.time_s[i][i + 1] for i in range(L))  # a micro-batch through every layer
             for pp in range(1, min(groups, L) + 1):
-                dp = min(groups // pp, N // pp)
-                if dp == 0:
+                most = min(groups // pp, N // pp)
+                if most == 0:
                     break
-                # no pipeline is faster than its stages' equal share of the work without a bubble
-                grids.append((math.ceil(N / dp) * work / pp, mbs, tp, pp, dp))
+                # as many pipelines as the groups hold, and for each micro-batch count per pipeline
+                # the fewest that give it (less to synchronise): a smaller cluster's grid is here
+                for dp in range(1, most + 1):
+                    if dp == most or dp == 1 or math.ceil(N / (dp - 1)) != math.ceil(N / dp):
+                        # no pipeline is faster than its stages' equal share of the work, no bubble
+                        grids.append((math.ceil(N / dp) * work / pp, mbs, tp, pp, dp))
     best = None
     for bound, mbs, tp, pp, dp in sorted(grids):
         if best is not None and bound >= best[0]:
@@ -293,10 +297,10 @@ def deep_grids(
         if found is None:
             continue
         kinds, of_pipeline = found
-        if interleave:
-            kinds = [_fastest_variant(t, tables[mbs], math.ceil(N / dp)) for t in kinds]
-        copies = [of_pipeline.count(i) for i in range(len(kinds))]
         inter = groups[0][0] != groups[dp * pp - 1][0]
+        if interleave:
+            kinds = [_fastest_variant(t, tables[mbs], math.ceil(N / dp), dp, pricing[inter]) for t in kinds]
+        copies = [of_pipeline.count(i) for i in range(len(kinds))]
         cost = _copies_cost_s(kinds, copies, N, pricing[inter])
         if cost is not None and (best is None or cost < best[0]):
             best = (cost, mbs, tp, [kinds[i] for i in of_pipeline])
@@ -312,10 +316,17 @@ def deep_grids(
     return cost, dataclasses.replace(plan, solver={"method": "deep-grid", "bound_only": True})
 
 
-def _fastest_variant(template: Template, tables: dict[int, StageTable], m: int) -> Template:
-    """`template`, or its interleaved variant fastest at `m` micro-batches where that is faster."""
-    variant = fastest_variant(template, tables, m)
-    return template if variant is None or template.time_s(m) <= variant.time_s(m) else variant
+def _fastest_variant(
+    template: Template, tables: dict[int, StageTable], m: int, copies: int, pricing
+) -> Template:
+    """`template`, or its interleaved variant fastest at `m` micro-batches among `copies` pipelines
+    (with the gradient sync each leaves exposed) where that is faster."""
+
+    def cost(t: Template) -> float:
+        return t.time_s(m) + pricing(copies, t).exposed_s(t.hide_s)
+
+    variant = fastest_variant(template, tables, m, lambda t: cost(t) - t.time_s(m))
+    return template if variant is None or cost(template) <= cost(variant) else variant
 
 
 def _grid_templates(
@@ -526,6 +537,8 @@ class _BalancedSplit:
 
 class _Line:
     """A pipeline's time as a function of its micro-batches, for `balance`."""
+
+    max_microbatches = 0  # 1F1B: any count
 
     def __init__(self, tables, stages):
         self.num_stages = len(stages)

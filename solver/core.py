@@ -25,7 +25,7 @@ import numpy as np
 
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.cluster import parse_device
-from costmodel.estimate import CostModel, SyncCost, steady_period_s
+from costmodel.estimate import CostModel, HideTerms, SyncCost, steady_period_s
 from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver.interleave import with_interleaving
@@ -102,12 +102,12 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]
     template, what it leaves exposed behind its own window (a lower bound in any plan)."""
 
     @functools.cache
-    def priced(num_pipelines: int, params: int, last_params: int) -> SyncCost:
-        return pipeline_sync(cm, inter_node, num_pipelines, params, last_params)
+    def priced(num_pipelines: int, params: int, last_params: int, terms: HideTerms) -> SyncCost:
+        return pipeline_sync(cm, inter_node, num_pipelines, params, last_params, terms)
 
     def cost(num_pipelines: int, template: Template) -> SyncCost:
-        # by the two sizes it depends on: templates share them (and hashing a template is slow)
-        return priced(num_pipelines, template.max_params, template.last_params)
+        # by the sizes it depends on: templates share them (and hashing a template is slow)
+        return priced(num_pipelines, template.max_params, template.last_params, template.hide_terms)
 
     def many(num_pipelines: int, templates: Sequence[Template]) -> np.ndarray:
         return np.array([cost(num_pipelines, t).exposed_s(t.hide_s) for t in templates], dtype=float)
@@ -117,9 +117,14 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]
 
 
 def pipeline_sync(
-    cm: CostModel, inter_node: bool, num_pipelines: int, params: int, last_params: int
+    cm: CostModel,
+    inter_node: bool,
+    num_pipelines: int,
+    params: int,
+    last_params: int,
+    terms: HideTerms = (),
 ) -> SyncCost:
-    """`CostModel.sync` in the planned optimizer layout."""
+    """`CostModel.sync` in the planned optimizer layout (`terms`: an interleaved pipeline's)."""
     layout = cm.optimizer
     return cm.sync(
         params,
@@ -128,6 +133,7 @@ def pipeline_sync(
         last_params=last_params,
         sharding=layout.sharding,
         bucket_bytes=layout.bucket_bytes,
+        partial=terms,
     )
 
 
@@ -318,7 +324,7 @@ def search(
         for r in mode.modes:
             found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r])
             if mode.interleave and block_uniform(profile):
-                found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes))
+                found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))
             templates += [t if t.recompute == r else dataclasses.replace(t, recompute=r) for t in found]
         if len(mode.modes) > 1:  # a pipeline that fits without recomputation beats its recomputing twin
             templates = prune(templates)

@@ -14,9 +14,14 @@ exactly its compute, parameters, optimizer step and gradient sync, and only the 
   last stage to the first is inter-node unless both are in one run);
 - memory: stage s keeps its live chunk-forwards' activations, each chunk its own bytes
   (`StageTable.kept_bytes` of the chunk's layers: chunks of unequal layers weigh unequally); their
-  most at any micro-batch count m >= S (`live_peaks`) must fit in what the stage's memory leaves
-  for activations (`max_in_flight` times its contiguous range's bytes), whatever m the master
-  picks. Conservative: the plan's own estimate counts its m exactly.
+  most at each micro-batch count m >= S (`live_peaks`) must fit in what the stage's memory leaves
+  for activations (`max_in_flight` times its contiguous range's bytes). Below 2S micro-batches the
+  schedule's first group is all of them, so its warm-up, and the chunks alive, grow with m: a
+  variant that fits up to some count but not beyond says so (`Template.max_microbatches`), and the
+  master gives its pipelines no more (llama3-70b on 256 nodes: 16 TP-4 stages of 5 chunks fit at
+  16 micro-batches, not at 31). Conservative: the plan's own estimate counts its m exactly;
+- gradient sync: each chunk's buckets reduce while the stage runs its other chunks' backwards
+  (`costmodel.estimate.chunk_hide`, the window of each chunk, as the plan's estimate prices it).
 
 Per template, one variant joins it: the chunk count (2 to MAX_CHUNKS, at most its smallest stage's
 layers) fastest at the micro-batches the template's pipelines get when the whole cluster runs copies
@@ -29,11 +34,12 @@ count fastest only at a micro-batch count far from that estimate is not offered.
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from costmodel import schedule
+from costmodel.estimate import SyncCost, buckets_of, chunk_hide
 from solver.stages import StageTable, exchanges_s
 from solver.templates import Template, lower_envelope
 
@@ -64,30 +70,46 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
     S = len(stages)
     if S < 2 or any(e - s < v for s, e, _ in stages):
         return None
-    for si, ((s, e, tp), chunks) in enumerate(zip(stages, chunk_ranges(stages, v), strict=True)):
-        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally), at
-        # whatever micro-batch count the master gives the pipeline
+    layout = chunk_ranges(stages, v)
+    most = 0  # micro-batches whose live chunks fit on every stage (0: any count)
+    for si, ((s, e, tp), chunks) in enumerate(zip(stages, layout, strict=True)):
+        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally)
         table = tables[tp]
         weights = [table.kept_bytes[a][b] for a, b in chunks]
         room = table.max_in_flight[s][e] * table.kept_bytes[s][e]
         # most chunks alive at once (at the largest first group) times the heaviest: enough where
-        # memory does not bind; else the exact peak over every micro-batch count
-        if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) > room and (
-            float((live_peaks(si, S, v) @ np.asarray(weights, dtype=float)).max()) > room
-        ):
-            return None
+        # memory does not bind; else the exact peak at every micro-batch count
+        if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) <= room:
+            continue
+        over = np.flatnonzero(live_peaks(si, S, v) @ np.asarray(weights, dtype=float) > room)
+        if len(over):  # the master gives this variant's pipelines at most S + over[0] - 1
+            if over[0] == 0:
+                return None
+            most = min(most or math.inf, S + int(over[0]) - 1)
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
-    inner = sum(exchanges_s(tables, stages, template.runs))
+    links = exchanges_s(tables, stages, template.runs)
+    inner = sum(links)
     # chunk k of the last stage feeds chunk k + 1 of the first: its one-layer chunk's exchange
     crosses = template.runs[0] != template.runs[-1]
     wrap = tables[stages[-1][2]].exchange_s[(stages[0][2], crosses)][stages[-1][0] + 1]
     slowest = max(work)
     steady = 2 * v / S * inner
+    # each chunk's gradients reduce as soon as its backward is done (costmodel.estimate.chunk_hide)
+    bwd, params, buckets = [], [], []
+    for (_, _, tp), ranges in zip(stages, layout, strict=True):
+        table = tables[tp]
+        bwd.append([table.bwd_s[a][b] for a, b in ranges])
+        params.append([table.params[a][b] for a, b in ranges])
+        buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
+    hide, terms = chunk_hide(bwd, [*links, wrap], params, buckets)
     return dataclasses.replace(
         template,
         pipeline_s=sum(work) / v + 2 * (inner + (v - 1) * wrap) + (1 - 1 / v) * slowest + steady,
         bottleneck_s=slowest + steady,
         chunks=v,
+        hide_s=hide,
+        hide_terms=terms,
+        max_microbatches=most,
     )
 
 
@@ -132,22 +154,46 @@ def _table_prefixes(num_stages: int, num_chunks: int) -> tuple[np.ndarray, ...]:
 
 
 def with_interleaving(
-    templates: list[Template], tables: dict[int, StageTable], num_microbatches: int, gpus: int
+    templates: list[Template],
+    tables: dict[int, StageTable],
+    num_microbatches: int,
+    gpus: int,
+    sync: Callable[[int, Template], SyncCost],
 ) -> list[Template]:
     """Every template, or its best interleaved variant in its place where that is never slower, or
     both (module docstring)."""
     out = []
     for template in templates:
-        # the micro-batches a pipeline of this template gets when the whole cluster runs copies of it
+        # the micro-batches and pipelines of this template when the whole cluster runs copies of it
         m = max(template.num_stages, math.ceil(num_microbatches * template.num_gpus / gpus))
-        best = fastest_variant(template, tables, m)
-        out += [template] if best is None else lower_envelope([template, best])
+        copies = max(1, gpus // template.num_gpus)
+        best = fastest_variant(template, tables, m, functools.partial(_exposed_s, sync, copies))
+        if best is None:
+            out.append(template)
+        elif best.max_microbatches:  # it takes fewer micro-batches: the 1F1B template stays
+            out += [template, best]
+        else:
+            out += lower_envelope([template, best])
     return out
 
 
-def fastest_variant(template: Template, tables: dict[int, StageTable], m: int) -> Template | None:
-    """The interleaved variant of `template` (2 to MAX_CHUNKS chunks) fastest at `m` micro-batches,
-    or None where no chunk count is possible."""
+def _exposed_s(sync: Callable[[int, Template], SyncCost], copies: int, template: Template) -> float:
+    return sync(copies, template).exposed_s(template.hide_s)
+
+
+def fastest_variant(
+    template: Template,
+    tables: dict[int, StageTable],
+    m: int,
+    overhead: Callable[[Template], float] = lambda t: 0.0,
+) -> Template | None:
+    """The interleaved variant of `template` (2 to MAX_CHUNKS chunks) fastest at `m` micro-batches
+    with its `overhead` (the gradient sync it leaves exposed: more chunks hide more of it), or None
+    where no chunk count is possible."""
     most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    variants = [v for v in (interleaved(template, tables, k) for k in range(2, most + 1)) if v is not None]
-    return min(variants, key=lambda t: t.time_s(m), default=None)
+    variants = [
+        v
+        for v in (interleaved(template, tables, k) for k in range(2, most + 1))
+        if v is not None and v.max_microbatches in (0, *range(m, v.max_microbatches + 1))
+    ]
+    return min(variants, key=lambda t: t.time_s(m) + overhead(t), default=None)

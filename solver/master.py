@@ -101,14 +101,16 @@ def balance(pipes: Sequence[Template], num_microbatches: int) -> list[int] | Non
     """Micro-batches per pipeline minimising the slowest pipeline: each gets p, then one at a time to
     the pipeline that stays fastest with it (optimal for a min-max of increasing linear costs)."""
     counts = [t.num_stages for t in pipes]
-    if sum(counts) > num_microbatches:
+    most = [t.max_microbatches or num_microbatches for t in pipes]
+    if sum(counts) > num_microbatches or sum(most) < num_microbatches:
         return None
-    heap = [(t.time_s(m + 1), i) for i, (t, m) in enumerate(zip(pipes, counts, strict=True))]
+    heap = [(t.time_s(m + 1), i) for i, (t, m) in enumerate(zip(pipes, counts, strict=True)) if m < most[i]]
     heapq.heapify(heap)
     for _ in range(num_microbatches - sum(counts)):
         _, i = heapq.heappop(heap)
         counts[i] += 1
-        heapq.heappush(heap, (pipes[i].time_s(counts[i] + 1), i))
+        if counts[i] < most[i]:  # an interleaved pipeline takes no more than its memory allows
+            heapq.heappush(heap, (pipes[i].time_s(counts[i] + 1), i))
     return counts
 
 
@@ -237,6 +239,8 @@ class Master:
         self.A = np.array([t.pipeline_s for t in ts])
         self.M = np.array([t.bottleneck_s for t in ts])
         self.p = np.array([t.num_stages for t in ts])
+        # the most micro-batches a pipeline of each template may take (an interleaved one's memory)
+        self.m_max = np.array([t.max_microbatches or self.N for t in ts], dtype=np.int64)
         self.G = np.array([t.num_gpus for t in ts], dtype=np.int64)
         gpus = sum(self.capacities)
         self.copies = [min(self.N // t.num_stages, gpus // t.num_gpus) for t in ts]
@@ -269,7 +273,7 @@ class Master:
         """k_t(tau): the most micro-batches a pipeline of template t takes within tau (0: none)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             k = np.where(self.M > 0, np.floor((tau - self.A) / np.where(self.M > 0, self.M, 1)) + 1, self.N)
-        k = np.clip(k, 0, self.N).astype(np.int64)
+        k = np.clip(k, 0, self.m_max).astype(np.int64)
         # Settle floating-point edges with the very expression the candidates were made of
         # (`Template.time_s`: A + (m - 1) M, the same operations in the same order).
         while True:
@@ -278,7 +282,7 @@ class Master:
                 break
             k -= over
         while True:
-            under = (k > 0) & (k < self.N) & (self.A + k * self.M <= tau)
+            under = (k > 0) & (k < self.m_max) & (self.A + k * self.M <= tau)
             if not under.any():
                 break
             k += under
@@ -293,7 +297,7 @@ class Master:
         lowest = self.N * min(t.bottleneck_s * t.num_gpus for t in self.templates) / sum(self.capacities)
         values = []
         for t in self.templates:
-            m = np.arange(t.num_stages, self.N + 1)
+            m = np.arange(t.num_stages, (t.max_microbatches or self.N) + 1)
             times = t.pipeline_s + (m - 1) * t.bottleneck_s
             values.append(times[(times <= upper_s) & (times >= lowest)])
         return np.unique(np.concatenate(values)) if values else np.array([])
@@ -316,7 +320,7 @@ class Master:
         order = np.argsort(self.W, kind="stable")
         ordered = [self.templates[i] for i in order]
         sync = np.array([self.sync.many(P, ordered) for P in range(1, self.p_max + 1)])  # [P - 1, template]
-        A, M, p, opt = self.A[order], self.M[order], self.p[order], self.O[order]
+        A, M, p, opt, m_max = self.A[order], self.M[order], self.p[order], self.O[order], self.m_max[order]
         gpus_each = np.array([t.num_gpus for t in ordered], dtype=float)
         gpus = sum(self.capacities)
 
@@ -326,7 +330,7 @@ class Master:
                 tau = bounds[lo : lo + 2048, None]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     k = np.floor((tau - A) / np.where(M > 0, M, 1)) + 2  # one extra: a safe bound
-                k = np.where(M > 0, np.clip(k, 0, self.N), self.N)
+                k = np.minimum(np.where(M > 0, np.clip(k, 0, self.N), self.N), m_max)
                 k = np.where(k >= p, k, 0)
                 most = np.maximum.accumulate(k, axis=1)  # K_j
                 per_gpu = np.maximum.accumulate(k / gpus_each, axis=1)  # R_j
@@ -845,7 +849,7 @@ def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | No
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if master._packs([t] * mid) else (lo, mid - 1)
-        for n in range(master.p_min, lo + 1):
+        for n in range(max(master.p_min, -(-master.N // int(master.m_max[i]))), lo + 1):
             cost = t.time_s(-(-master.N // n)) + master.sync(n, t).exposed_s(t.hide_s) + t.optimizer_s
             if best is None or cost < best[0]:
                 best = (cost, [t] * n, None)

@@ -76,6 +76,10 @@ class Template:
     optimizer_s: float  # O
     hide_s: float = 0.0  # H: how much of its gradient reduction backward hides (solver.stages)
     last_params: int = 0  # the parameters backward produces last (the first layer's)
+    # interleaved: the chunks' (share, window) terms of the sync (`costmodel.estimate.chunk_hide`)
+    hide_terms: tuple[tuple[float, float], ...] = ()
+    # interleaved: the most micro-batches whose live chunks fit (0: any count), solver.interleave
+    max_microbatches: int = 0
     chunks: int = 1  # layer chunks per stage: 1 for 1F1B, more for interleaved 1F1B (solver.interleave)
     recompute: str = "none"  # every stage's activation recomputation (its costs are that mode's)
 
@@ -253,7 +257,8 @@ def prune(templates: list[Template]) -> list[Template]:
 
     Dominance is transitive (so is packing), so it is enough to test each template against the ones
     kept so far, visited in an order that puts every dominator before what it dominates:
-    lexicographic in A, M, W, O, stage count and L, then by the footprint's GPUs and, among equal
+    lexicographic in A, M, W, O, stage count, L and the micro-batch limit (none first), then by the
+    footprint's GPUs and, among equal
     GPUs, more runs first (a footprint packs into another of as many GPUs only by splitting its runs).
     """
     if not templates:
@@ -271,8 +276,10 @@ def prune(templates: list[Template]) -> list[Template]:
     F = np.array([index[t.footprint] for t in templates])
     gpus = np.array([sum(f) for f in prints])[F]
     runs = np.array([len(f) for f in prints])[F]
-    order = np.lexsort((np.arange(n), -runs, gpus, last, P, opt, W, M, A))  # last key first
-    keys = (A, M, W, opt, P, last)
+    # a template that takes only so many micro-batches (solver.interleave) beats none that takes more
+    limit = np.array([-(t.max_microbatches or np.iinfo(np.int64).max) for t in templates])
+    order = np.lexsort((np.arange(n), -runs, gpus, limit, last, P, opt, W, M, A))  # last key first
+    keys = (A, M, W, opt, P, last, limit)
     kept = np.empty(0, dtype=np.int64)
     for lo in range(0, n, PRUNE_BLOCK):
         # A block at a time: the templates kept before it rule out what they beat at once ...
@@ -339,7 +346,15 @@ def lower_envelope(group: list[Template]) -> list[Template]:
     """
     unique = list(
         {
-            (t.pipeline_s, t.bottleneck_s, t.max_params, t.optimizer_s, t.hide_s, t.last_params): t
+            (
+                t.pipeline_s,
+                t.bottleneck_s,
+                t.max_params,
+                t.optimizer_s,
+                t.hide_s,
+                t.last_params,
+                t.hide_terms,
+            ): t
             for t in reversed(group)
         }.values()
     )
