@@ -81,6 +81,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from costmodel import analytic, communicators, flops, schedule
 from costmodel.boundary import busiest_shares
 from costmodel.cluster import ClusterSpec, parse_device
@@ -284,32 +286,30 @@ def chunk_hide(
     pairs, those no other pair dominates, for `CostModel.sync` to add to the floor. At v = 1 this
     is `hide_window_s` and no terms. tests/test_overlap_model.py holds it against a simulation of
     the replayed schedule."""
-    S, v = len(bwd_s), len(bwd_s[0])
+    b = np.asarray(bwd_s, dtype=float)
+    S, v = b.shape
     wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
-    inner = list(p2p_s[: S - 1])
-    per_chunk = [sum(bwd_s[s][k] for s in range(S)) + sum(inner) + wrap for k in range(v)]
-    hide, terms = math.inf, []
-    for s in range(S):
-        total = max(1, sum(params[s]))
-        cool = sum(bwd_s[t][0] + inner[t] for t in range(s))
-        before = 0.0  # share of chunks 0..k-1
-        for k in range(v):
-            own = S * sum(bwd_s[s][:k]) + cool
-            chain = sum(bwd_s[t][k] + inner[t] for t in range(s)) + sum(per_chunk[:k])
-            window = max(own, chain)
-            share, K, b = params[s][k] / total, max(1, buckets[s][k]), bwd_s[s][k]
-            first = window + b * (1 - 1 / K)
-            if k == v - 1:
-                hide = min(hide, first)
-            else:
-                terms.append((before + share, first))
-            terms.append((before + share / K, window))
-            before += share
-    kept: list[tuple[float, float]] = []
-    for share, window in sorted(terms, key=lambda t: (-t[0], t[1])):
-        if window < hide and all(window < w for _, w in kept):
-            kept.append((share, window))
-    return hide, tuple(kept)
+    inner = np.zeros(S)
+    inner[: S - 1] = p2p_s[: S - 1]
+    front = np.vstack([np.zeros((1, v)), np.cumsum(b + inner[:, None], axis=0)[:-1]])  # sum_{s'<s}
+    per_chunk = b.sum(axis=0) + inner.sum() + wrap
+    earlier = np.concatenate([[0.0], np.cumsum(per_chunk)[:-1]])  # every stage's chunks before k
+    own = S * (np.cumsum(b, axis=1) - b) + front[:, :1]  # S of each earlier chunk, then cool-down
+    window = np.maximum(own, front + earlier[None, :])
+    n = np.asarray(params, dtype=float)
+    share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
+    before = np.cumsum(share, axis=1) - share
+    K = np.maximum(1, np.asarray(buckets, dtype=float))
+    first = window + b * (1 - 1 / K)
+    hide = float(first[:, -1].min())
+    shares = np.concatenate([(before + share)[:, :-1].ravel(), (before + share / K).ravel()])
+    windows = np.concatenate([first[:, :-1].ravel(), window.ravel()])
+    order = np.lexsort((windows, -shares))  # largest share first, then the narrowest window
+    shares, windows = shares[order], windows[order]
+    # a term counts only where no term of a larger share has a window as narrow (nor the hide's)
+    narrowest = np.minimum.accumulate(np.concatenate([[hide], windows]))[:-1]
+    kept = windows < narrowest
+    return hide, tuple(zip(shares[kept].tolist(), windows[kept].tolist(), strict=True))
 
 
 def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m: int) -> float:
