@@ -63,9 +63,12 @@ def chunk_ranges(
     return [tuple(c) for c in chunks]
 
 
-def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: int) -> Template | None:
+def interleaved(
+    template: Template, tables: dict[int, StageTable], num_chunks: int, *, windows: bool = True
+) -> Template | None:
     """`template` run with `num_chunks` chunks per stage, or None where a stage has fewer layers than
-    chunks or its activations would not fit (module docstring)."""
+    chunks or its activations would not fit at S micro-batches (module docstring); `windows=False`
+    leaves its sync's windows to `chunk_windows` (the template's until then)."""
     stages, v = template.stages, num_chunks
     S = len(stages)
     if S < 2 or any(e - s < v for s, e, _ in stages):
@@ -87,30 +90,31 @@ def interleaved(template: Template, tables: dict[int, StageTable], num_chunks: i
                 return None
             most = min(most or math.inf, S + int(over[0]) - 1)
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
-    links = exchanges_s(tables, stages, template.runs)
-    inner = sum(links)
-    # chunk k of the last stage feeds chunk k + 1 of the first: its one-layer chunk's exchange
-    crosses = template.runs[0] != template.runs[-1]
-    wrap = tables[stages[-1][2]].exchange_s[(stages[0][2], crosses)][stages[-1][0] + 1]
+    links = _links(template, tables)
+    inner, wrap = sum(links[:-1]), links[-1]
     slowest = max(work)
     steady = 2 * v / S * inner
-    # each chunk's gradients reduce as soon as its backward is done (costmodel.estimate.chunk_hide)
-    bwd, params, buckets = [], [], []
-    for (_, _, tp), ranges in zip(stages, layout, strict=True):
-        table = tables[tp]
-        bwd.append([table.bwd_s[a][b] for a, b in ranges])
-        params.append([table.params[a][b] for a, b in ranges])
-        buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
-    hide, terms = chunk_hide(bwd, [*links, wrap], params, buckets)
-    return dataclasses.replace(
+    variant = dataclasses.replace(
         template,
         pipeline_s=sum(work) / v + 2 * (inner + (v - 1) * wrap) + (1 - 1 / v) * slowest + steady,
         bottleneck_s=slowest + steady,
         chunks=v,
-        hide_s=hide,
-        hide_terms=terms,
         max_microbatches=most,
     )
+    return chunk_windows(variant, tables, links) if windows else variant
+
+
+def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Sequence[float]) -> Template:
+    """`variant` with the windows of its gradient sync: each chunk's gradients reduce as soon as its
+    backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around)."""
+    bwd, params, buckets = [], [], []
+    for (_, _, tp), ranges in zip(variant.stages, chunk_ranges(variant.stages, variant.chunks), strict=True):
+        table = tables[tp]
+        bwd.append([table.bwd_s[a][b] for a, b in ranges])
+        params.append([table.params[a][b] for a, b in ranges])
+        buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
+    hide, terms = chunk_hide(bwd, links, params, buckets)
+    return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -191,9 +195,25 @@ def fastest_variant(
     with its `overhead` (the gradient sync it leaves exposed: more chunks hide more of it), or None
     where no chunk count is possible."""
     most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    variants = [
-        v
-        for v in (interleaved(template, tables, k) for k in range(2, most + 1))
-        if v is not None and v.max_microbatches in (0, *range(m, v.max_microbatches + 1))
-    ]
-    return min(variants, key=lambda t: t.time_s(m) + overhead(t), default=None)
+    variants = [interleaved(template, tables, k, windows=False) for k in range(2, most + 1)]
+    best, least = None, math.inf
+    # fastest first; the windows (the costly part) only for those that can still win: overhead >= 0
+    for variant in sorted(
+        (v for v in variants if v and (v.max_microbatches == 0 or v.max_microbatches >= m)),
+        key=lambda t: t.time_s(m),
+    ):
+        if variant.time_s(m) >= least:
+            break
+        variant = chunk_windows(variant, tables, _links(variant, tables))
+        if (cost := variant.time_s(m) + overhead(variant)) < least:
+            best, least = variant, cost
+    return best
+
+
+def _links(template: Template, tables: dict[int, StageTable]) -> list[float]:
+    """A template's inner links and its wrap-around link (chunk k of the last stage to chunk k + 1 of
+    the first: its one-layer chunk's exchange, inter-node unless both ends share a run)."""
+    stages = template.stages
+    crosses = template.runs[0] != template.runs[-1]
+    wrap = tables[stages[-1][2]].exchange_s[(stages[0][2], crosses)][stages[-1][0] + 1]
+    return [*exchanges_s(tables, stages, template.runs), wrap]
