@@ -17,9 +17,10 @@ exactly its compute, parameters, optimizer step and gradient sync, and only the 
   most at each micro-batch count m >= S (`live_peaks`) must fit in what the stage's memory leaves
   for activations (`max_in_flight` times its contiguous range's bytes). Below 2S micro-batches the
   schedule's first group is all of them, so its warm-up, and the chunks alive, grow with m: a
-  variant that fits up to some count but not beyond says so (`Template.max_microbatches`), and the
-  master gives its pipelines no more (llama3-70b on 256 nodes: 16 TP-4 stages of 5 chunks fit at
-  16 micro-batches, not at 31). Conservative: the plan's own estimate counts its m exactly;
+  variant that fits up to some count but not beyond says so (`Template.max_microbatches`), and
+  the master gives its pipelines no more (llama3-70b on 256 nodes: 14 TP-4 stages of 5 chunks
+  with selective recomputation fit up to 16 micro-batches). Conservative: the plan's own estimate
+  counts its m exactly;
 - gradient sync: each chunk's buckets reduce while the stage runs its other chunks' backwards
   (`costmodel.estimate.chunk_hide`, the window of each chunk, as the plan's estimate prices it).
 
@@ -84,11 +85,12 @@ def interleaved(
         # memory does not bind; else the exact peak at every micro-batch count
         if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) <= room:
             continue
-        over = np.flatnonzero(live_peaks(si, S, v) @ np.asarray(weights, dtype=float) > room)
-        if len(over):  # the master gives this variant's pipelines at most S + over[0] - 1
-            if over[0] == 0:
+        rows, first = live_rows(si, S, v)
+        over = first[rows @ np.asarray(weights, dtype=float) > room]
+        if len(over):  # the master gives this variant's pipelines fewer micro-batches than any of these
+            if over.min() == S:
                 return None
-            most = min(most or math.inf, S + int(over[0]) - 1)
+            most = min(most or math.inf, int(over.min()) - 1)
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
     links = _links(template, tables)
     inner, wrap = sum(links[:-1]), links[-1]
@@ -129,20 +131,28 @@ def live_peaks(stage: int, num_stages: int, num_chunks: int) -> np.ndarray:
     stages. After the warm-up's w forwards, step j runs forward w + j then backward j of the same
     table with its chunks reversed, so after that forward chunk k has P_k(w + j + 1) - P_{v-1-k}(j)
     alive, P_k(n) the table's first n entries of chunk k."""
+    return live_rows(stage, num_stages, num_chunks)[0]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def live_rows(stage: int, num_stages: int, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """`live_peaks` and, per row, the least micro-batch count m in [S, 6S) at which it occurs."""
     S, v = num_stages, num_chunks
-    rows = []
+    rows, counts = [], []
     for m, prefix in zip(range(S, 6 * S), _table_prefixes(S, v), strict=True):
         n, w = len(prefix) - 1, schedule.warmup(stage, S, v, m)
         if w == n:
             rows.append(prefix[n][None, :])
-            continue
-        steps = np.arange(n - w)
-        rows.append(prefix[w + steps + 1] - prefix[steps][:, ::-1])
-    rows = np.vstack(rows)
-    rows = rows[np.lexsort(rows.T)]  # equal rows side by side (numpy's unique by rows is far slower)
+        else:
+            steps = np.arange(n - w)
+            rows.append(prefix[w + steps + 1] - prefix[steps][:, ::-1])
+        counts.append(np.full(len(rows[-1]), m))
+    rows, counts = np.vstack(rows), np.concatenate(counts)
+    order = np.lexsort((counts, *rows.T[::-1]))  # equal rows side by side, least m first
+    rows, counts = rows[order], counts[order]
     distinct = np.ones(len(rows), dtype=bool)
     distinct[1:] = (rows[1:] != rows[:-1]).any(axis=1)
-    return rows[distinct].astype(float)
+    return rows[distinct].astype(float), counts[distinct]
 
 
 @functools.lru_cache(maxsize=256)

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import solver
+import solver.core
+import solver.master
 import solver.placement
 from costmodel import PRESETS, ClusterSpec, schedule
 from costmodel.estimate import CostModel
@@ -16,7 +18,8 @@ from profiler.analytic import analytic_profile
 from solver import baselines
 from solver.core import tp_degrees
 from solver.interleave import chunk_ranges, interleaved, live_peaks
-from solver.stages import stage_table
+from solver.skeletons import splitter_of
+from solver.stages import stage_table, sync_terms
 from solver.templates import Template
 
 
@@ -199,3 +202,56 @@ def test_the_solvers_live_peaks_hold_the_peak_at_every_micro_batch_count():
         assert fast == pytest.approx(walked, rel=1e-12), (S, v, stage)
     heavy_first = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert schedule.peak_live(1, 5, 6, 43, heavy_first) > schedule.peak_live(1, 5, 6, 9, heavy_first)
+
+
+def test_a_variants_sync_is_priced_like_the_plan_it_becomes(p7):
+    """The chunk windows the solver gives a variant (solver.interleave.chunk_windows) are the ones
+    the estimate gives its plan: the same exposed gradient sync, below what one window per stage
+    would leave."""
+    cluster = ClusterSpec.parse("8,8", p7.device_kind)
+    cm = CostModel(p7, cluster)
+    tables = {t: stage_table(cm, t, 1) for t in tp_degrees(p7, cluster)}
+    stages, runs = ((0, 12, 2), (12, 23, 2), (23, 34, 4)), (0, 0, 0)
+    widest = max(tables[tp].params[s][e] for s, e, tp in stages)
+    base = Template(stages, runs, 0.0, 0.0, widest, 0.0, *sync_terms(tables, stages, runs))
+    sync = solver.core.sync(cm, True)
+    for v in (2, 3):
+        variant = interleaved(base, tables, v)
+        plan = solver.placement.place(
+            cm, cluster, 16, 1, [(variant, 8), (variant, 8)], [(8, (8,)), (8, (8,))]
+        )
+        estimate = cm.estimate(plan)
+        priced = sync(2, variant).exposed_s(variant.hide_s)
+        assert estimate.sync_s == pytest.approx(priced, rel=1e-9)
+        assert priced < sync(2, base).exposed_s(base.hide_s)
+
+
+def test_a_variant_whose_warm_up_outgrows_memory_takes_fewer_micro_batches(p70):
+    """Below 2S micro-batches the first group is all of them, so the warm-up grows with m: 14 TP-4
+    stages of llama3-70b with 5 chunks (selective recomputation; the 2M-token plan's pipelines) fit
+    up to 16 micro-batches. The variant says so, and `balance` never gives its pipelines more."""
+    cluster = ClusterSpec.parse(",".join(["8"] * 256), p70.device_kind)
+    cm = CostModel(p70, cluster, recompute="selective")
+    tables = {t: stage_table(cm, t, 1) for t in (4, 8)}
+    L = p70.model.num_layers
+    kinds, _ = baselines._grid_templates(splitter_of(tables, L), baselines._tp_groups(cluster, 4), 4, 14, 36)
+    variant = interleaved(kinds[0], tables, 5)
+    S, cap = 14, variant.max_microbatches
+    assert S <= cap < 2 * S
+
+    def fits(m: int) -> bool:  # the schedule's walked peak of every stage against its room
+        for si, ((s, e, tp), chunks) in enumerate(
+            zip(variant.stages, chunk_ranges(variant.stages, 5), strict=True)
+        ):
+            weights = [tables[tp].kept_bytes[a][b] for a, b in chunks]
+            if (
+                schedule.peak_live(si, S, 5, m, weights)
+                > tables[tp].max_in_flight[s][e] * tables[tp].kept_bytes[s][e]
+            ):
+                return False
+        return True
+
+    assert all(fits(m) for m in range(S, cap + 1)) and not fits(cap + 1)
+    assert solver.master.balance([variant, variant], 2 * cap + 1) is None
+    counts = solver.master.balance([variant, kinds[0]], 3 * cap)
+    assert counts[0] <= cap and sum(counts) == 3 * cap
