@@ -856,13 +856,28 @@ def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | No
     return best
 
 
+def _pack_pipelines(pipes: Sequence[Template], capacities: Sequence[int]) -> list[list[int]]:
+    """Runs per node of a plan found packed: all runs at once, largest first (best fit), or else
+    pipeline by pipeline, the most GPUs first, as `Master.witnessed_plan` packed its witness (the
+    two orders can differ in what fits)."""
+    placed = pack_best_fit([r for t in pipes for r in t.run_sizes], capacities)
+    if placed is not None:
+        return placed
+    packing: Packing | None = Packing(capacities)
+    for t in sorted(pipes, key=lambda t: t.num_gpus, reverse=True):
+        packing = packing.add(t.run_sizes) if packing is not None else None
+    if packing is None:
+        raise AssertionError("a plan the master found does not pack onto the nodes")
+    return packing.placed()
+
+
 def _result(status, pipes, N, master: Master, patterns, bound) -> MasterResult:
     counts = balance(pipes, N)
     objective = plan_cost_s(pipes, counts, master.sync)
     if master.single_node:
         nodes = ((max(master.capacities), tuple(r for t in pipes for r in t.run_sizes)),)
     elif patterns is None:
-        placed = pack_best_fit([r for t in pipes for r in t.run_sizes], master.capacities)
+        placed = _pack_pipelines(pipes, master.capacities)
         nodes = tuple((c, tuple(runs)) for c, runs in zip(master.capacities, placed, strict=True) if runs)
     else:
         nodes = tuple((c, q) for c, q, count in patterns for _ in range(count))

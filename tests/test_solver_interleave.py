@@ -255,3 +255,17 @@ def test_a_variant_whose_warm_up_outgrows_memory_takes_fewer_micro_batches(p70):
     assert solver.master.balance([variant, variant], 2 * cap + 1) is None
     counts = solver.master.balance([variant, kinds[0]], 3 * cap)
     assert counts[0] <= cap and sum(counts) == 3 * cap
+
+
+def test_a_witnessed_plan_that_best_fit_would_not_pack_is_placed():
+    """The master's knapsack witness packs pipeline by pipeline, the most GPUs first, and the answer
+    it makes must be placed the same way: llama2-7b with chunks on nodes of 7, 7, 7 and 8 GPUs was
+    found so, and packing all its runs at once, largest first, left a run without a node (the
+    what-if sweep of the solver benchmark stopped on it)."""
+    p7 = analytic_profile(
+        PRESETS["llama2-7b"], device_kind="H100-80GB", micro_batch_sizes=[1, 2], tp_degrees=[1, 2, 4, 8],
+        seq_len=4096,
+    )  # fmt: skip
+    plan = solver.solve(p7, ClusterSpec.parse("7,7,7,8", p7.device_kind), 128, interleave=True)
+    assert CostModel(p7, ClusterSpec.parse("7,7,7,8", p7.device_kind)).estimate(plan).fits
+    assert len(plan.devices) <= 29
