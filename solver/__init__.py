@@ -44,7 +44,9 @@ faster plan by hiding more of everyone's sync. The template programs and `solver
 compare pipelines by A, M, W, O, stages and first-layer parameters only, and drop such a pipeline;
 comparing windows too kept about three times the templates (llama2-7b on 8,8,8,7: 2.7 s -> 7.5 s) and
 changed none of the benchmarks' plans. The master does compare windows among the templates it is
-given (`Master._undominated`), since it prices their sync.
+given (`Master._undominated`), since it prices their sync, but not an interleaved template's chunk
+terms (`Template.hide_terms`, which raise its sync's floor): it can drop a template for one whose
+terms leave more of the sync exposed.
 
 Precision, sequence parallelism, recomputation: a plan trains in its profile's dtype; every stage of
 TP degree > 1 whose degree divides the sequence is sequence parallel (it moves the bytes of the
