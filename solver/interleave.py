@@ -5,7 +5,8 @@ count n_s (at least v), TP degree and node run, and deals the stage's layers int
 each, the first n_s % v one more); virtual pipeline k is chunk k of every stage in order
 (`chunk_ranges`). In a profile whose blocks are identical (the solver plans interleaving only there)
 the embedding still opens stage 0 and the head still closes the last stage, so every stage keeps
-exactly its compute, parameters, optimizer step and gradient sync, and only the schedule changes:
+exactly its compute, parameters, optimizer step and the volume of its gradient sync, and only the
+schedule changes, and with it how much of the sync backward hides:
 
 - time (`costmodel.schedule.interleaved_time_s` for m >= S, as the master's line A + (m - 1) M):
       M = P + (2v / S) sum_inner c,
