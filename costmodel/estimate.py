@@ -284,8 +284,8 @@ def chunk_hide(
     range. The term of chunk v-1's first bucket has share 1: its window, the least over stages, is
     the pipeline's hide window (returned first); the other terms are returned as (share, window)
     pairs, those no other pair dominates, for `CostModel.sync` to add to the floor. At v = 1 the
-    window is `hide_window_s`'s (the estimate calls `hide_window_s` there). tests/test_overlap_model.py holds it against a simulation
-    of the replayed schedule."""
+    window is `hide_window_s`'s (the estimate calls `hide_window_s` there).
+    tests/test_overlap_model.py holds it against a simulation of the replayed schedule."""
     b = np.asarray(bwd_s, dtype=float)
     S, v = b.shape
     wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
