@@ -174,6 +174,9 @@ class Stage:
 class Pipeline:
     num_microbatches: int
     stages: tuple[Stage, ...]
+    # Each backward split into its input gradient and its weight gradient, the latter deferred as
+    # ZB-H1 does (`costmodel.schedule.split_backward`); absent from older plans: false.
+    split_backward: bool = False
 
     @property
     def devices(self) -> list[str]:
@@ -185,7 +188,10 @@ class Pipeline:
         return self.stages[0].num_chunks
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_microbatches": self.num_microbatches, "stages": [s.to_json() for s in self.stages]}
+        out: dict[str, Any] = {"num_microbatches": self.num_microbatches}
+        if self.split_backward:
+            out["split_backward"] = True
+        return out | {"stages": [s.to_json() for s in self.stages]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Pipeline":
@@ -197,9 +203,13 @@ class Pipeline:
                 f"A pipeline needs an integer num_microbatches of at most {MAX_GLOBAL_BATCH_SIZE:,} and a "
                 "list of stages."
             )
+        split = data.get("split_backward", False)
+        if not isinstance(split, bool):
+            raise ElastorError(f"A pipeline's split_backward is true or false, not {split!r}.")
         return cls(
             num_microbatches=data["num_microbatches"],
             stages=tuple(Stage.from_json(s) for s in data["stages"]),
+            split_backward=split,
         )
 
 
@@ -292,6 +302,8 @@ class Plan:
                 )
             if max(chunks) > 1 and len(pipe.stages) == 1:
                 problems.append(f"{where} has one stage; interleaving its layer chunks would change nothing.")
+            if pipe.split_backward and len(pipe.stages) == 1:
+                problems.append(f"{where} has one stage; splitting its backward would change nothing.")
             expected_start = 0
             for k in range(max(chunks)):
                 for si, stage in enumerate(pipe.stages):

@@ -22,6 +22,7 @@ cross-entropy divided by the global token count, so gradients summed over micro-
 over pipelines give the full-batch gradient whatever each pipeline's micro-batch count.
 """
 
+import contextlib
 from collections import deque
 
 import torch
@@ -32,13 +33,16 @@ from costmodel.boundary import Transfer, routes, stage_ranges
 from costmodel.plan import Plan, Stage
 from costmodel.schedule import Op
 from runtime.elastic import progress
+from runtime.split_backward import DeferredWeightGradients
 from runtime.stage import StageModule
 
 
 def make_schedule(plan: Plan, device: str, model: StageModule, **kwargs):
-    """The schedule of `device`'s pipeline: 1F1B, or interleaved 1F1B when its stages hold chunks."""
-    interleaved = plan.pipelines[plan.placement(device)[0]].num_chunks > 1
-    return (InterleavedSchedule if interleaved else PipelineSchedule)(plan, device, model, **kwargs)
+    """The schedule of `device`'s pipeline: 1F1B, or `InterleavedSchedule` when its stages hold
+    chunks or it splits its backwards (which runs plain 1F1B's order at one chunk)."""
+    pipe = plan.pipelines[plan.placement(device)[0]]
+    general = pipe.num_chunks > 1 or pipe.split_backward
+    return (InterleavedSchedule if general else PipelineSchedule)(plan, device, model, **kwargs)
 
 
 def _links(
@@ -234,6 +238,10 @@ class InterleavedSchedule(_Schedule):
     every op's input is produced by an op its sender runs without waiting for this rank's later
     work, which `costmodel.schedule.replay` checks for the orders used (it raises on a deadlock).
 
+    With the pipeline's `split_backward`, each chunk-backward is ZB-H1's input-gradient "B" and a
+    later "W" computes its weight gradients (`costmodel.schedule.split_backward` places them,
+    runtime/split_backward.py defers them); at one chunk the order is plain 1F1B's, split.
+
     Why not `torch.distributed.pipelining.ScheduleInterleaved1F1B`: like its 1F1B, it needs one TP
     degree for the whole pipeline (see the module docstring).
     """
@@ -242,12 +250,16 @@ class InterleavedSchedule(_Schedule):
         super().__init__(plan, device, model, **kwargs)
         S, v, m, si = self.num_stages, self.pipe.num_chunks, self.pipe.num_microbatches, self.stage_index
         self.num_chunks = v
-        self.program = schedule.program(si, S, v, m)
+        split = self.pipe.split_backward
+        self.program = schedule.program(si, S, v, m, split)
+        self.deferred = DeferredWeightGradients() if split else None
+        if split:
+            self.deferred.install(model.blocks)
         previous, following = (si - 1) % S, (si + 1) % S
         (_, self.recv_fwd), (self.send_bwd, _) = self._links(previous, si)
         (self.send_fwd, _), (_, self.recv_bwd) = self._links(si, following)
         # what each neighbouring stage sends this one, in its order (one list when both are one stage)
-        self.incoming = {src: schedule.sends(src, si, S, v, m) for src in {previous, following}}
+        self.incoming = {src: schedule.sends(src, si, S, v, m, split) for src in {previous, following}}
 
     # ---- point-to-point ------------------------------------------------------------------------
     def _post_receive(self, kind: str) -> tuple[list, list]:
@@ -332,7 +344,9 @@ class InterleavedSchedule(_Schedule):
         for op in self.program:
             i, k = op.micro_batch, op.chunk
             progress.current.mark("forward" if op.kind == "F" else "backward")
-            if op.kind == "F":
+            if op.kind == "W":
+                self.deferred.run((i, k))
+            elif op.kind == "F":
                 if self.model.starts(k):
                     x, y = None, self.model(micro_batches[i][:, :-1], chunk=k)
                 else:
@@ -347,7 +361,8 @@ class InterleavedSchedule(_Schedule):
             else:
                 x, y = alive.pop((i, k))
                 grad = None if self.model.ends(k) else self._receive(op)
-                torch.autograd.backward(y, grad)
+                with self.deferred.deferring((i, k)) if self.deferred else contextlib.nullcontext():
+                    torch.autograd.backward(y, grad)
                 if x is not None:
                     self._send(x.grad, self.send_bwd)
         self._end()

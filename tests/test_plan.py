@@ -57,6 +57,27 @@ def test_predicted_and_solver_blocks_survive_the_round_trip():
     assert "predicted" not in Plan.from_json(example_plan_json()).to_json()
 
 
+def test_split_backward_round_trips_and_older_plans_read_as_unsplit():
+    data = example_plan_json()
+    assert "split_backward" not in json.dumps(data)
+    plan = Plan.from_json(data)
+    assert not any(p.split_backward for p in plan.pipelines)
+    assert "split_backward" not in json.dumps(plan.to_json())  # unsplit plans are written as before
+    data["pipelines"][0]["split_backward"] = True
+    again = Plan.from_json(Plan.from_json(data).to_json())
+    assert [p.split_backward for p in again.pipelines] == [True] + [False] * (len(again.pipelines) - 1)
+
+
+def test_split_backward_needs_two_stages():
+    data = example_plan_json()
+    pipe = data["pipelines"][0]
+    pipe["stages"] = [
+        {"layers": [0, 6], "devices": pipe["stages"][0]["devices"] + pipe["stages"][1]["devices"]}
+    ]
+    pipe["split_backward"] = True
+    assert any("splitting its backward would change nothing" in v for v in Plan.from_json(data).violations())
+
+
 def test_shape_queries():
     plan = Plan.from_json(example_plan_json())
     assert plan.world_size == 7
@@ -374,6 +395,10 @@ def test_unknown_schema_version(version):
         (lambda d: d["model"].update(num_layers=7), "Model 'gpt-tiny' says num_layers=7 but has 4 blocks"),
         (lambda d: d.update(pipelines=[5]), "The pipeline must be a JSON object, not int."),
         (lambda d: stages(d, 0).append("n0:4"), "The stage must be a JSON object, not str."),
+        (
+            lambda d: d["pipelines"][0].update(split_backward="yes"),
+            "A pipeline's split_backward is true or false",
+        ),
     ],
 )
 def test_malformed_plan_json(edit, sentence):

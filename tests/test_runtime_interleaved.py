@@ -6,8 +6,11 @@ Each plan trains 10 steps under torchrun (gloo, CPU, up to 6 processes) and is c
 tests/test_runtime_precision.py (bf16). The plans cover v = 2 and 3, a TP-3 stage beside a TP-2
 stage, sequence parallelism, uneven micro-batch counts across pipelines, micro-batch counts that the
 stage count does not divide (and fewer micro-batches than stages), tied embeddings, and recompute on
-one chunk of a stage but not the other.
+one chunk of a stage but not the other. `SPLIT_PLANS` split their backwards (ZB-H1), interleaved and
+not, with TP 3 beside TP 2, sequence parallelism, recomputation and ZeRO-1.
 """
+
+import copy
 
 import pytest
 from dist_helpers import plan_json, run_worker
@@ -83,26 +86,63 @@ PLANS["sp-v2"] = _with(
     ),
     {(0, 0): SP, (0, 1): SP},
 )
-FAST = ("tp3-tp2-v2-vs-dp", "recompute-one-chunk")  # the rest run with -m slow
+
+
+def _split(plan: dict, *pipelines: int) -> dict:
+    """`plan` with the given pipelines' backwards split (ZB-H1: weight gradients deferred)."""
+    plan = copy.deepcopy(plan)
+    for pi in pipelines:
+        plan["pipelines"][pi]["split_backward"] = True
+    return plan
+
+
+# Split backward (runtime/split_backward.py): interleaved and plain 1F1B pipelines whose weight
+# gradients run later than their input gradients, beside pipelines that do not split.
+SPLIT_PLANS = {
+    # TP 3 -> TP 2, two chunks, 5 micro-batches, beside an unsplit replica; with ZeRO-1 the
+    # deferred gradients still complete every bucket.
+    "split-tp3-tp2-v2-zero1": _with(
+        _split(PLANS["tp3-tp2-v2-vs-dp"], 0), {}, optimizer={"sharding": "zero1", "bucket_bytes": 8192}
+    ),
+    # Plain 1F1B order (one chunk) split: TP 2 -> TP 1 -> TP 3, full recompute on the middle stage.
+    "split-1f1b-s3": _with(
+        _split(
+            plan_json(DEEP, [(5, [((0, 3), _n(0, 0, 1)), ((3, 6), _n(0, 2)), ((6, 10), _n(0, 3, 4, 5))])]), 0
+        ),
+        {(0, 1): {"recompute": "full"}},
+    ),
+    # Sequence parallelism, selective recompute on one chunk, 3 and 2 micro-batches, both split.
+    "split-sp-v2": _with(_split(PLANS["sp-v2"], 0), {(0, 1): {"recompute": ["none", "selective"]}}),
+    # Three chunks, 3 micro-batches on 2 stages (not a multiple of the stage count).
+    "split-s2-v3": _split(PLANS["s2-v3"], 0),
+}
+FAST = ("tp3-tp2-v2-vs-dp", "recompute-one-chunk", "split-tp3-tp2-v2-zero1")  # the rest: -m slow
 
 
 def test_plans_are_valid_and_interleaved():
     for name, data in PLANS.items():
         plan = Plan.from_json(data).validate()
         assert max(p.num_chunks for p in plan.pipelines) > 1, name
+    for name, data in SPLIT_PLANS.items():
+        assert Plan.from_json(data).validate().pipelines[0].split_backward, name
 
 
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in PLANS])
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in (*PLANS, *SPLIT_PLANS)]
+)
 def test_interleaved_plan_matches_single_process(name, tmp_path):
-    plan = PLANS[name]
+    plan = PLANS.get(name) or SPLIT_PLANS[name]
     result = run_worker(plan, tmp_path, steps=STEPS)
     assert result.returncode == 0, result.stderr[-4000:]
     check_parity(plan, tmp_path)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("s3-v2-tp", "sp-v2")])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) for n in ("s3-v2-tp", "sp-v2", "split-sp-v2", "split-1f1b-s3")],
+)
 def test_interleaved_bf16_matches_single_process_bf16(name, tmp_path):
-    plan = _with(PLANS[name], {}, **BF16)
+    plan = _with(PLANS.get(name) or SPLIT_PLANS[name], {}, **BF16)
     result = run_worker(plan, tmp_path, steps=STEPS)
     assert result.returncode == 0, result.stderr[-4000:]
     check_bf16_parity(plan, tmp_path)
