@@ -107,79 +107,115 @@ def _plan(model_name, pipelines, *, dtype="float32", micro_batch_size=2, seq_len
     }
 
 
+def _split(plan: dict) -> dict:
+    """`plan` with every pipeline's backward split (`costmodel.schedule.split_backward`)."""
+    for pipe in plan["pipelines"]:
+        pipe["split_backward"] = True
+    return plan
+
+
 SP, FULL, SELECTIVE = {"sequence_parallel": True}, {"recompute": "full"}, {"recompute": "selective"}
 # (name, plan): every dtype, SP on and off, each recompute mode, one to three stages, TP 1-3,
 # two pipelines, tied embeddings with grouped-query attention.
-RUNTIME_PLANS = [
-    (f"{name} {dtype}", _plan(m, pipes, dtype=dtype))
-    for dtype in ("float32", "bfloat16")
-    for name, m, pipes in [
-        ("one device", "gpt-tiny", [(3, [((0, 6), ["n0:0"], {})])]),
-        ("one device, full", "gpt-tiny", [(3, [((0, 6), ["n0:0"], FULL)])]),
-        (
-            "2 stages, selective",
-            "gpt-tiny",
-            [(4, [((0, 3), ["n0:0"], SELECTIVE), ((3, 6), ["n0:1"], SELECTIVE)])],
-        ),
-        ("TP2", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {})])]),
-        ("TP2 SP, full", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **FULL})])]),
-        (
-            "TP1 > TP2 SP full > TP3 SP selective",
-            "gpt-tiny",
-            [
-                (
-                    4,
-                    [
-                        ((0, 2), ["n0:0"], {}),
-                        ((2, 4), ["n0:1", "n0:2"], {**SP, **FULL}),
-                        ((4, 6), ["n0:3", "n0:4", "n0:5"], {**SP, **SELECTIVE}),
-                    ],
-                )
-            ],
-        ),
-        (
-            "2 pipelines TP2 SP + TP1 / TP1 full + TP2",
-            "gpt-tiny",
-            [
-                (3, [((0, 3), ["n0:0", "n0:1"], SP), ((3, 6), ["n0:2"], {})]),
-                (2, [((0, 2), ["n1:0"], FULL), ((2, 6), ["n1:1", "n1:2"], {})]),
-            ],
-        ),
-        (
-            "interleaved 2 stages x 2 chunks, 5 micro-batches",
-            "gpt-tiny",
-            [(5, [(((0, 2), (3, 5)), ["n0:0"], {}), (((2, 3), (5, 6)), ["n0:1"], {})])],
-        ),
-        (
-            "interleaved TP2 SP (full on chunk 0) > TP1 > TP2 SP, 2 chunks",
-            "gpt-tiny",
-            [
-                (
-                    4,
-                    [
-                        (((0, 1), (3, 4)), ["n0:0", "n0:1"], {**SP, "recompute": ["full", "none"]}),
-                        (((1, 2), (4, 5)), ["n0:2"], {}),
-                        (((2, 3), (5, 6)), ["n0:3", "n0:4"], SP),
-                    ],
-                )
-            ],
-        ),
-        (
-            "tied GQA, TP2 SP full beside a replica",
-            "gqa-uneven",
-            [(2, [((0, 4), ["n0:0", "n0:1"], {**SP, **FULL})]), (2, [((0, 4), ["n1:0"], {})])],
-        ),
+RUNTIME_PLANS = (
+    [
+        (f"{name} {dtype}", _plan(m, pipes, dtype=dtype))
+        for dtype in ("float32", "bfloat16")
+        for name, m, pipes in [
+            ("one device", "gpt-tiny", [(3, [((0, 6), ["n0:0"], {})])]),
+            ("one device, full", "gpt-tiny", [(3, [((0, 6), ["n0:0"], FULL)])]),
+            (
+                "2 stages, selective",
+                "gpt-tiny",
+                [(4, [((0, 3), ["n0:0"], SELECTIVE), ((3, 6), ["n0:1"], SELECTIVE)])],
+            ),
+            ("TP2", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {})])]),
+            ("TP2 SP, full", "gpt-tiny", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **FULL})])]),
+            (
+                "TP1 > TP2 SP full > TP3 SP selective",
+                "gpt-tiny",
+                [
+                    (
+                        4,
+                        [
+                            ((0, 2), ["n0:0"], {}),
+                            ((2, 4), ["n0:1", "n0:2"], {**SP, **FULL}),
+                            ((4, 6), ["n0:3", "n0:4", "n0:5"], {**SP, **SELECTIVE}),
+                        ],
+                    )
+                ],
+            ),
+            (
+                "2 pipelines TP2 SP + TP1 / TP1 full + TP2",
+                "gpt-tiny",
+                [
+                    (3, [((0, 3), ["n0:0", "n0:1"], SP), ((3, 6), ["n0:2"], {})]),
+                    (2, [((0, 2), ["n1:0"], FULL), ((2, 6), ["n1:1", "n1:2"], {})]),
+                ],
+            ),
+            (
+                "interleaved 2 stages x 2 chunks, 5 micro-batches",
+                "gpt-tiny",
+                [(5, [(((0, 2), (3, 5)), ["n0:0"], {}), (((2, 3), (5, 6)), ["n0:1"], {})])],
+            ),
+            (
+                "interleaved TP2 SP (full on chunk 0) > TP1 > TP2 SP, 2 chunks",
+                "gpt-tiny",
+                [
+                    (
+                        4,
+                        [
+                            (((0, 1), (3, 4)), ["n0:0", "n0:1"], {**SP, "recompute": ["full", "none"]}),
+                            (((1, 2), (4, 5)), ["n0:2"], {}),
+                            (((2, 3), (5, 6)), ["n0:3", "n0:4"], SP),
+                        ],
+                    )
+                ],
+            ),
+            (
+                "tied GQA, TP2 SP full beside a replica",
+                "gqa-uneven",
+                [(2, [((0, 4), ["n0:0", "n0:1"], {**SP, **FULL})]), (2, [((0, 4), ["n1:0"], {})])],
+            ),
+        ]
     ]
-] + [
-    # the math attention kernel keeps each block's b x H x s x s scores (without recompute, and
-    # while a selective recomputation reruns the core)
-    (f"math attention, {name} {dtype}", {**_plan("gpt-tiny", pipes, dtype=dtype), "attention": "math"})
-    for dtype in ("float32", "bfloat16")
-    for name, pipes in [
-        ("one device", [(3, [((0, 6), ["n0:0"], {})])]),
-        ("TP2 SP, selective", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **SELECTIVE})])]),
+    + [
+        # split backward (ZB-H1): activations live until their W, output gradients held from B to W
+        (f"split backward, {name} {dtype}", _split(_plan(m, pipes, dtype=dtype)))
+        for dtype in ("float32", "bfloat16")
+        for name, m, pipes in [
+            (
+                "TP1 > TP2 SP full > TP1",
+                "gpt-tiny",
+                [
+                    (
+                        5,
+                        [
+                            ((0, 2), ["n0:0"], {}),
+                            ((2, 4), ["n0:1", "n0:2"], {**SP, **FULL}),
+                            ((4, 6), ["n0:3"], {}),
+                        ],
+                    )
+                ],
+            ),
+            (
+                "interleaved TP2 SP > TP1 selective, 2 chunks",
+                "gpt-tiny",
+                [(4, [(((0, 2), (3, 5)), ["n0:0", "n0:1"], SP), (((2, 3), (5, 6)), ["n0:2"], SELECTIVE)])],
+            ),
+        ]
     ]
-]
+    + [
+        # the math attention kernel keeps each block's b x H x s x s scores (without recompute, and
+        # while a selective recomputation reruns the core)
+        (f"math attention, {name} {dtype}", {**_plan("gpt-tiny", pipes, dtype=dtype), "attention": "math"})
+        for dtype in ("float32", "bfloat16")
+        for name, pipes in [
+            ("one device", [(3, [((0, 6), ["n0:0"], {})])]),
+            ("TP2 SP, selective", [(3, [((0, 6), ["n0:0", "n0:1"], {**SP, **SELECTIVE})])]),
+        ]
+    ]
+)
 
 
 def validate_runtime(plans=RUNTIME_PLANS, *, steps: int = 2) -> list[dict]:

@@ -272,6 +272,73 @@ def attention_core_fraction(
     return min(1.0, core / forward_flops(config, "block", micro_batch_size, seq_len, tp_degree))
 
 
+# ---- split backward (ZB-H1; runtime/split_backward.py) ---------------------------------------------
+def _projection_gemms_s(
+    config: ModelConfig, tokens: int, tp_degree: int, dt: int, device: DeviceKind
+) -> float:
+    """One pass of a block shard's seven projections (q, k, v, o, gate, up, down) on `device`: their
+    forward, and as much again for their input gradients and for their weight gradients."""
+    h, d = config.hidden_size, config.head_dim
+    heads, kv_heads, width, _ = _local(config, tp_degree)
+    q, kv = heads * d, kv_heads * d
+    return (
+        gemm_s(tokens, h, q, dt, device)
+        + gemm_s(tokens, h, kv, dt, device, copies=2)
+        + gemm_s(tokens, q, h, dt, device)
+        + gemm_s(tokens, h, width, dt, device, copies=2)
+        + gemm_s(tokens, width, h, dt, device)
+    )
+
+
+def weight_gradient_fraction(
+    config: ModelConfig,
+    kind: str,
+    micro_batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    dtype: str,
+    attention: str = "fused",
+    priced_on: DeviceKind | None = None,
+) -> float:
+    """The share of a layer shard's backward that the split backward defers to its W: a block's
+    projections' weight-gradient GEMMs and its main-gradient accumulation (the hooks fire in W);
+    0 for the embedding and the head, whose gradients stay in B. On a device kind it is their
+    share of `layer_times_s`'s backward (so an analytic profile's W is exactly those kernels' time);
+    without one, the GEMMs' share of the backward FLOPs."""
+    if kind != "block":
+        return 0.0
+    b, s = micro_batch_size, seq_len
+    if priced_on is not None:
+        dt = DTYPE_BYTES[dtype]
+        bandwidth = priced_on.memory_bandwidth_gbps * 1e9 * kernel_efficiency(priced_on.kind)["bandwidth"]
+        deferred = _projection_gemms_s(config, b * s, tp_degree, dt, priced_on)
+        deferred += main_gradient_bytes(config, kind, tp_degree, dtype) / bandwidth
+        _, backward = layer_times_s(config, kind, b, s, tp_degree, dtype, priced_on, attention)
+        return min(1.0, deferred / backward)
+    core = 2 * 2 * b * s * s * (config.num_heads // tp_degree) * config.head_dim * CAUSAL_ATTENTION_FRACTION
+    forward = forward_flops(config, kind, b, s, tp_degree)
+    return (forward - core) / backward_flops(config, kind, b, s, tp_degree)
+
+
+def deferred_gradient_bytes(
+    config: ModelConfig, kind: str, micro_batch_size: int, seq_len: int, tp_degree: int, dtype: str
+) -> int:
+    """What a block shard holds per micro-batch from its B to its W (runtime/split_backward.py): each
+    deferred projection's input (the two normalised inputs, the attention output, the MLP's product;
+    shared by q, k, v and by gate, up) and output gradient (q, k, v, gate and up at their shard's
+    width, o and down at the hidden size), all over the whole sequence as the projections see it,
+    under sequence parallelism too. The rest of its activations B frees; under recomputation the
+    inputs are the rerun forward's, held all the same."""
+    if kind != "block":
+        return 0
+    b, s, h, d = micro_batch_size, seq_len, config.hidden_size, config.head_dim
+    heads, kv_heads, width, _ = _local(config, tp_degree)
+    q, kv = heads * d, kv_heads * d
+    inputs = 2 * h + q + width
+    output_gradients = q + 2 * kv + 2 * width + 2 * h
+    return DTYPE_BYTES[dtype] * b * s * (inputs + output_gradients)
+
+
 def output_bytes_per_sample(config: ModelConfig, kind: str, seq_len: int, dtype: str) -> int:
     """What a stage ending after this layer sends per sample: hidden states, or the head's logits."""
     width = config.vocab_size if kind == "head" else config.hidden_size
@@ -346,9 +413,9 @@ def layer_times_s(
     ATTENTION_BACKWARD_FLOPS_FACTOR, elementwise traffic at ELEMENTWISE_BACKWARD_FACTOR, and the
     runtime's main-gradient accumulation (`main_gradient_bytes`). The embedding's backward also
     writes a dense gradient of its whole V/t x h shard (PyTorch's dense embedding backward)."""
-    b, s, h, d = micro_batch_size, seq_len, config.hidden_size, config.head_dim
+    b, s, h = micro_batch_size, seq_len, config.hidden_size
     dt = DTYPE_BYTES[dtype]
-    heads, kv_heads, width, vocab = _local(config, tp_degree)
+    vocab = _local(config, tp_degree)[3]
     eff = kernel_efficiency(device.kind)
     tokens = b * s
     bandwidth = device.memory_bandwidth_gbps * 1e9 * eff["bandwidth"]
@@ -360,14 +427,7 @@ def layer_times_s(
     if kind == "head":
         gemm = gemm_s(tokens, h, vocab, dt, device)
         return gemm + moved, 2 * gemm + ELEMENTWISE_BACKWARD_FACTOR * moved + accumulate
-    q, kv = heads * d, kv_heads * d
-    gemms = (
-        gemm_s(tokens, h, q, dt, device)
-        + gemm_s(tokens, h, kv, dt, device, copies=2)
-        + gemm_s(tokens, q, h, dt, device)
-        + gemm_s(tokens, h, width, dt, device, copies=2)
-        + gemm_s(tokens, width, h, dt, device)
-    )
+    gemms = _projection_gemms_s(config, tokens, tp_degree, dt, device)
     core, core_bwd = attention_core_s(config, b, s, tp_degree, dtype, device, attention)
     backward = 2 * gemms + core_bwd + ELEMENTWISE_BACKWARD_FACTOR * moved + accumulate
     return gemms + core + moved, backward

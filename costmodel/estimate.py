@@ -28,6 +28,15 @@ tested against the schedule's replay), and a stage's activations are the peak of
 its own order (`schedule.peak_live`, exact for the plan's m), each chunk keeping its own input and
 output.
 
+A pipeline that splits its backwards (`Pipeline.split_backward`, ZB-H1: runtime/split_backward.py)
+is priced by `schedule.interleaved_time_s` with each stage's weight-gradient time G_s
+(`StageCost.wgrad_s`: the blocks' projection weight gradients and their main-gradient
+accumulation, `analytic.weight_gradient_fraction` of the backward), at one chunk too: the fill and
+drain cross each stage with W_s - 2 G_s. Its stages' memory walks the split program
+(`schedule.peak_live` with `held`: B frees a chunk's activations and keeps what its W reads,
+`StageCost.held_bytes`, until W), and its gradient buckets fill over the last W, whose deferral
+shrinks the sync windows (`hide_window_s`, `chunk_hide`).
+
 Gradient sync: every segment of every parameter has one holder per pipeline (costmodel.layout), and
 the holders reduce it together in gradient buckets (costmodel.sharding): ring all-reduce, or under
 ZeRO-1 reduce-scatter and, after the step, all-gather of the updated parameters in the plan's dtype.
@@ -165,6 +174,11 @@ class StageCost:
     bucket_bytes: int = BUCKET_BYTES
     # NCCL buffers a planned stage reserves (`communicators.planned_bytes`); a plan's are exact.
     comm_bytes: int = 0
+    # Split backward (ZB-H1): the part of compute_bwd_s its W runs (the blocks' weight gradients,
+    # `analytic.weight_gradient_fraction`), and what a micro-batch holds from B to W on top of its
+    # activations (`analytic.deferred_gradient_bytes`).
+    wgrad_s: float = 0.0
+    held_bytes: int = 0
 
     @property
     def fwd_s(self) -> float:
@@ -241,17 +255,35 @@ def buckets_of(params: int, bucket_bytes: int) -> int:
     return max(1, -(-int(params) * FP32_BYTES // bucket_bytes))
 
 
-def hide_window_s(bwd_s: Sequence[float], p2p_s: Sequence[float], buckets: Sequence[int]) -> float:
+def hide_window_s(
+    bwd_s: Sequence[float],
+    p2p_s: Sequence[float],
+    buckets: Sequence[int],
+    wgrad_s: Sequence[float] | None = None,
+) -> float:
     """How long before a pipeline's backward ends its devices' gradient reductions can start, at the
     least over its stages: stage s's buckets become ready one by one over its last micro-batch's
     backward B_s (K_s buckets: the last one B_s / K_s before the backward ends), and after it the
     cool-down still runs on the stages in front of it for sum_{s' < s} (B_s' + c_s'). So
     min_s B_s (1 - 1/K_s) + sum_{s' < s} (B_s' + c_s'); the first stage (no cool-down in front)
-    usually sets it."""
+    usually sets it.
+
+    Split backward (`wgrad_s`, G_s of each B_s; `costmodel.schedule.split_backward`): the gradients
+    come from the W ops, and stage s runs its last s of them after its last B, so its buckets fill
+    over its last W, s G_s after that B, while the cool-down in front runs the input gradients
+    alone and then stage 0's last W: G_s (1 - 1/K_s) + max(0, sum_{s' < s} (B_s' - G_s' + c_s')
+    + G_0 [s > 0] - s G_s)."""
+    if wgrad_s is None:
+        cooling, hide = 0.0, math.inf
+        for s, (b, k) in enumerate(zip(bwd_s, buckets, strict=True)):
+            hide = min(hide, b * (1 - 1 / max(1, k)) + cooling)
+            cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
+        return hide
     cooling, hide = 0.0, math.inf
-    for s, (b, k) in enumerate(zip(bwd_s, buckets, strict=True)):
-        hide = min(hide, b * (1 - 1 / max(1, k)) + cooling)
-        cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
+    for s, (b, g, k) in enumerate(zip(bwd_s, wgrad_s, buckets, strict=True)):
+        after = cooling + (wgrad_s[0] if s else 0.0) - s * g
+        hide = min(hide, g * (1 - 1 / max(1, k)) + max(0.0, after))
+        cooling += b - g + (p2p_s[s] if s < len(p2p_s) else 0.0)
     return hide
 
 
@@ -263,6 +295,7 @@ def chunk_hide(
     p2p_s: Sequence[float],
     params: Sequence[Sequence[int]],
     buckets: Sequence[Sequence[int]],
+    wgrad_s: Sequence[Sequence[float]] | None = None,
 ) -> tuple[float, HideTerms]:
     """`hide_window_s` for a pipeline under interleaved 1F1B, where each stage's chunks finish their
     backward one after another: chunk k of stage s (backward b_sk per micro-batch, K_sk buckets,
@@ -285,22 +318,36 @@ def chunk_hide(
     the pipeline's hide window (returned first); the other terms are returned as (share, window)
     pairs, those no other pair dominates, for `CostModel.sync` to add to the floor. At v = 1 the
     window is `hide_window_s`'s (the estimate calls `hide_window_s` there).
-    tests/test_overlap_model.py holds it against a simulation of the replayed schedule."""
+    tests/test_overlap_model.py holds it against a simulation of the replayed schedule.
+
+    Split backward (`wgrad_s`, the W part g_sk of each b_sk): chunk k's gradients are complete at
+    its last W, which stage s runs s backwards after its B: the window shrinks by s b_s,max (each
+    deferred pair a B and a W of some chunk), for chunk 0, whose last backwards are the stage's
+    last, by the s trailing W's, s g_s0; the chains through other stages (the cool-down in front,
+    the earlier virtual stages) count input gradients alone, b - g, and the buckets fill over the
+    last W, g_sk (1 - 1/K_sk). A lower bound on each window, as the unsplit one is."""
     b = np.asarray(bwd_s, dtype=float)
     S, v = b.shape
+    g = b if wgrad_s is None else np.asarray(wgrad_s, dtype=float)
+    chain = b if wgrad_s is None else b - g  # what the other stages' backwards take on the chain
     wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
     inner = np.zeros(S)
     inner[: S - 1] = p2p_s[: S - 1]
-    front = np.vstack([np.zeros((1, v)), np.cumsum(b + inner[:, None], axis=0)[:-1]])  # sum_{s'<s}
-    per_chunk = b.sum(axis=0) + inner.sum() + wrap
+    front = np.vstack([np.zeros((1, v)), np.cumsum(chain + inner[:, None], axis=0)[:-1]])  # s' < s
+    per_chunk = chain.sum(axis=0) + inner.sum() + wrap
     earlier = np.concatenate([[0.0], np.cumsum(per_chunk)[:-1]])  # every stage's chunks before k
     own = S * (np.cumsum(b, axis=1) - b) + front[:, :1]  # S of each earlier chunk, then cool-down
     window = np.maximum(own, front + earlier[None, :])
+    if wgrad_s is not None:
+        stage = np.arange(S, dtype=float)[:, None]
+        delay = stage * b.max(axis=1, keepdims=True) * np.ones((1, v))
+        delay[:, 0] = stage[:, 0] * g[:, 0]
+        window = np.maximum(0.0, window - delay)
     n = np.asarray(params, dtype=float)
     share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
     before = np.cumsum(share, axis=1) - share
     K = np.maximum(1, np.asarray(buckets, dtype=float))
-    first = window + b * (1 - 1 / K)
+    first = window + g * (1 - 1 / K)
     hide = float(first[:, -1].min())
     shares = np.concatenate([(before + share)[:, :-1].ravel(), (before + share / K).ravel()])
     windows = np.concatenate([first[:, :-1].ravel(), window.ravel()])
@@ -534,7 +581,8 @@ class CostModel:
         full_fwd_extra_s = 0.0  # what checkpointing adds to a measured block's forward
         kind_of_device = DEVICE_KINDS.get(prof.device_kind)  # prices the math kernel's core share
         priced_on = (dtype, kind_of_device) if kind_of_device is not None else None
-        activations = transient = 0
+        activations = transient = held = 0
+        wgrad_s = 0.0
         for i, c in zip(range(start, end), costs, strict=True):
             kind = model.layer_kind(i)
             fwd_comm, bwd_comm = self._tp_comm_s(kind, tp, sp, hidden, mbs * seq)
@@ -552,6 +600,9 @@ class CostModel:
                     model, mbs, seq, tp, prof.attention, priced_on
                 )
             args = (model, kind, mbs, seq, tp, dtype)
+            deferred = analytic.weight_gradient_fraction(*args, prof.attention, kind_of_device)
+            wgrad_s += deferred * c.bwd_s
+            held += analytic.deferred_gradient_bytes(*args)
             # the profile measured the plain shard; the formula scales it to the mode
             plain = analytic.activation_bytes(*args, attention=prof.attention)
             mine = analytic.activation_bytes(*args, sp, mode, prof.attention)
@@ -602,6 +653,8 @@ class CostModel:
             sequence_parallel=sp,
             recompute=recompute,
             row_numel=model.hidden_size,
+            wgrad_s=wgrad_s,
+            held_bytes=held,
         )
 
     def _tp_comm_s(self, kind: str, tp: int, sp: bool, hidden: float, tokens: int) -> tuple[float, float]:
@@ -751,16 +804,22 @@ class CostModel:
                 for si in range(S - 1)
             ]
             fwd, bwd = [c.fwd_s for c in costs], [c.bwd_s for c in costs]
-            if v == 1:
-                time_s = pipeline_time_s(fwd, bwd, p2p, pipe.num_microbatches)
-            else:  # the wrap-around link carries chunk k's output of the last stage to the first
-                wrap = self.exchange_s(
+            wgrad = [c.wgrad_s for c in costs] if pipe.split_backward else None
+            # the wrap-around link carries chunk k's output of the last stage to the first
+            wrap = (
+                self.exchange_s(
                     costs[-1], costs[0].tp, costs[0].sequence_parallel, _crosses_nodes(pipe, S - 1, 0)
                 )
-                time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v)
+                if v > 1
+                else 0.0
+            )
+            if v == 1 and wgrad is None:
+                time_s = pipeline_time_s(fwd, bwd, p2p, pipe.num_microbatches)
+            else:
+                time_s = interleaved_time_s(fwd, bwd, [*p2p, wrap], pipe.num_microbatches, v, wgrad)
             if v == 1:
                 buckets = [buckets_of(c.param_count, layout.bucket_bytes) for c in costs]
-                window, terms = hide_window_s(bwd, p2p, buckets), ()
+                window, terms = hide_window_s(bwd, p2p, buckets, wgrad), ()
             else:  # each chunk's buckets reduce as soon as its backward is done
                 chunks = [self.chunk_costs(st, mbs) for st in pipe.stages]
                 window, terms = chunk_hide(
@@ -768,6 +827,7 @@ class CostModel:
                     [*p2p, wrap],
                     [[c.param_count for c in cs] for cs in chunks],
                     [[buckets_of(c.param_count, layout.bucket_bytes) for c in cs] for cs in chunks],
+                    [[c.wgrad_s for c in cs] for cs in chunks] if wgrad else None,
                 )
             sync = self.sync(
                 max(c.param_count for c in costs),
@@ -863,6 +923,8 @@ def combine_chunks(chunks: list[StageCost]) -> StageCost:
         input_bytes=max(c.input_bytes for c in chunks),
         optimizer_s=sum(c.optimizer_s for c in chunks),
         param_tensors=sum(c.param_tensors for c in chunks),
+        wgrad_s=sum(c.wgrad_s for c in chunks),
+        held_bytes=sum(c.held_bytes for c in chunks),
         recompute=",".join(dict.fromkeys(c.recompute for c in chunks)),  # shown per stage
     )
 
@@ -870,12 +932,14 @@ def combine_chunks(chunks: list[StageCost]) -> StageCost:
 def stage_in_flight(cm: "CostModel", stage: Stage, si: int, pipe: Pipeline, mbs: int) -> float:
     """Micro-batches' worth of activations stage si holds at its peak: min(p - s, m) under 1F1B; an
     interleaved stage's peak of live chunk activations (`costmodel.schedule.peak_live`, each chunk
-    weighted by what it keeps per micro-batch) over what one micro-batch keeps in all its chunks."""
+    weighted by what it keeps per micro-batch) over what one micro-batch keeps in all its chunks.
+    Under split backward (at any chunk count) each chunk's B frees its activations but keeps
+    `held_bytes` until its W."""
     S, v, m = len(pipe.stages), pipe.num_chunks, pipe.num_microbatches
-    if v == 1:
+    if v == 1 and not pipe.split_backward:
         return in_flight(si, S, m)
-    weights = [
-        c.activation_bytes + c.input_kept_bytes + c.output_kept_bytes for c in cm.chunk_costs(stage, mbs)
-    ]
+    chunks = cm.chunk_costs(stage, mbs)
+    weights = [c.activation_bytes + c.input_kept_bytes + c.output_kept_bytes for c in chunks]
+    held = [c.held_bytes for c in chunks] if pipe.split_backward else None
     total = sum(weights)
-    return schedule.peak_live(si, S, v, m, weights) / total if total else 0.0
+    return schedule.peak_live(si, S, v, m, weights, held) / total if total else 0.0

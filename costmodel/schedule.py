@@ -144,18 +144,16 @@ def peak_live(
 ) -> float:
     """The most activation a stage keeps at once: each chunk-forward's activation (weights[chunk])
     lives until its backward. Exact: it depends only on the stage's own order. `held`: the split
-    schedule, where the activation lives until the weight gradient W and the input gradient B adds
-    held[chunk] (the output gradients W reads) until then."""
+    schedule, where the input gradient B frees the activation but keeps held[chunk] (what the
+    weight gradients read: the projections' inputs and output gradients) until W."""
     live = peak = 0.0
     for op in program(stage, num_stages, num_chunks, m, held is not None):
         if op.kind == "F":
             live += weights[op.chunk]
-        elif held is None:
-            live -= weights[op.chunk]
         elif op.kind == "B":
-            live += held[op.chunk]
+            live += (0.0 if held is None else held[op.chunk]) - weights[op.chunk]
         else:
-            live -= weights[op.chunk] + held[op.chunk]
+            live -= held[op.chunk]
         peak = max(peak, live)
     return peak
 
@@ -164,8 +162,8 @@ def peak_live(
 def peak_in_flight(stage: int, num_stages: int, num_chunks: int, m: int, split: bool = False) -> int:
     """Chunk activations alive at once on `stage` at its peak (`split`: until their weight
     gradients)."""
-    held = [0.0] * num_chunks if split else None
-    return round(peak_live(stage, num_stages, num_chunks, m, [1.0] * num_chunks, held))
+    weights = [1.0] * num_chunks
+    return round(peak_live(stage, num_stages, num_chunks, m, weights, weights if split else None))
 
 
 def replay(

@@ -394,7 +394,9 @@ def check_pins(profile: ModelProfile, cluster: ClusterSpec, method: str, grid, r
     """One sentence for pins that cannot apply: grid pins outside the uniform method, a TP degree
     the profile or the nodes do not allow, a PP or chunk count the layers cannot take."""
     if grid.pinned and method != "uniform":
-        raise ElastorError("--tp, --pp and a number of --chunks pin a uniform grid; add --method uniform.")
+        raise ElastorError(
+            "--tp, --pp, a number of --chunks and --split-backward pin a uniform grid; add --method uniform."
+        )
     if recompute is not None and recompute not in RECOMPUTE_PASSES:
         raise ElastorError(f"Unknown recompute mode {recompute!r}; use one of {', '.join(RECOMPUTE_PASSES)}.")
     allowed = tp_degrees(profile, cluster)

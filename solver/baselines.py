@@ -68,18 +68,21 @@ def _score(cm: CostModel, tables, pipes: Sequence[Sequence[Placed]], counts: Seq
     return slowest + plan_sync_s(priced) + optimizer
 
 
-def _plan(cm: CostModel, cluster, gbs, mbs, pipes, counts: Sequence[int]) -> Plan:
+def _plan(cm: CostModel, cluster, gbs, mbs, pipes, counts: Sequence[int], split: Sequence[bool] = ()) -> Plan:
     """A plan of pipelines of stages (layers, tp, node index, first GPU index), where layers is a
-    range (start, end) or a stage's chunks ((start, end), ...)."""
+    range (start, end) or a stage's chunks ((start, end), ...); `split`: which pipelines split their
+    backwards (none if empty)."""
     built = []
-    for pipe, m in zip(pipes, counts, strict=True):
+    for pi, (pipe, m) in enumerate(zip(pipes, counts, strict=True)):
         stages = []
         for layers, tp, node, first in pipe:
             n = cluster.nodes[node]
             stages.append(
                 cm.planned_stage(layers, tuple(f"{n.name}:{g}" for g in n.gpus[first : first + tp]))
             )
-        built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
+        built.append(
+            Pipeline(num_microbatches=m, stages=tuple(stages), split_backward=bool(split and split[pi]))
+        )
     plan = Plan(
         optimizer=cm.optimizer,
         model=cm.profile.model,
@@ -126,15 +129,18 @@ class Grid:
     tp: int | None = None
     pp: int | None = None
     chunks: int = 1
+    split_backward: bool = False  # every pipeline of more than one stage splits its backwards
 
     @property
     def pinned(self) -> bool:
-        return self.tp is not None or self.pp is not None or self.chunks != 1
+        return self.tp is not None or self.pp is not None or self.chunks != 1 or self.split_backward
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}" if self.tp else "any TP", f"PP{self.pp}" if self.pp else "any PP"]
-        return " x ".join(parts) + (
-            f" (interleaved, {self.chunks} chunks per stage)" if self.chunks > 1 else ""
+        return (
+            " x ".join(parts)
+            + (f" (interleaved, {self.chunks} chunks per stage)" if self.chunks > 1 else "")
+            + (", split backward" if self.split_backward else "")
         )
 
 
@@ -190,10 +196,13 @@ def _grid_pipes(num_blocks: int, cluster: ClusterSpec, c: _Candidate, chunks: in
     ]
 
 
-def grid_plan(cm: CostModel, cluster: ClusterSpec, gbs: int, c: _Candidate, chunks: int) -> Plan:
-    """The plan of one grid (`_grid_pipes`), every pipeline with the same micro-batches."""
+def grid_plan(
+    cm: CostModel, cluster: ClusterSpec, gbs: int, c: _Candidate, chunks: int, split: bool = False
+) -> Plan:
+    """The plan of one grid (`_grid_pipes`), every pipeline with the same micro-batches; `split`:
+    their backwards split where they have more than one stage."""
     pipes = _grid_pipes(cm.model.num_blocks, cluster, c, chunks)
-    return _plan(cm, cluster, gbs, c.mbs, pipes, [gbs // c.mbs // c.dp] * c.dp)
+    return _plan(cm, cluster, gbs, c.mbs, pipes, [gbs // c.mbs // c.dp] * c.dp, [split and c.pp > 1] * c.dp)
 
 
 def uniform(
@@ -218,7 +227,7 @@ def uniform(
     for c in grid_candidates(profile, cluster, gbs, sizes, grid):
         if best is not None and c.gpus < -best[0]:
             continue
-        if grid.chunks == 1 and sharding == "none":
+        if grid.chunks == 1 and sharding == "none" and not grid.split_backward:
             table = {c.tp: stage_table(cm, c.tp, c.mbs)}  # memoised by solver.stages
             grid_pipes = _grid_pipes(profile.model.num_blocks, cluster, c, 1)
             pipes = [[(s, e, tp, node, first) for (s, e), tp, node, first in pipe] for pipe in grid_pipes]
@@ -226,7 +235,7 @@ def uniform(
                 continue
             cost = _score(cm, table, pipes, [gbs // c.mbs // c.dp] * c.dp)
         else:
-            estimate = exact.estimate(grid_plan(cm, cluster, gbs, c, grid.chunks))
+            estimate = exact.estimate(grid_plan(cm, cluster, gbs, c, grid.chunks, grid.split_backward))
             if not estimate.fits:
                 continue
             cost = estimate.step_time_s
@@ -236,7 +245,7 @@ def uniform(
     if best is None:
         return None
     _, cost, c = best
-    return cost, grid_plan(cm, cluster, gbs, c, grid.chunks)
+    return cost, grid_plan(cm, cluster, gbs, c, grid.chunks, grid.split_backward)
 
 
 def deep_grids(
@@ -312,7 +321,7 @@ def deep_grids(
     for j, t in enumerate(pipes):
         layers = chunk_ranges(t.stages, t.chunks) if t.chunks > 1 else [(s, e) for s, e, _ in t.stages]
         placed.append([(chunks, tp, *groups[j * pp + i]) for i, chunks in enumerate(layers)])
-    plan = _plan(cm, cluster, gbs, mbs, placed, balance(pipes, gbs // mbs))
+    plan = _plan(cm, cluster, gbs, mbs, placed, balance(pipes, gbs // mbs), [t.split_backward for t in pipes])
     return cost, dataclasses.replace(plan, solver={"method": "deep-grid", "bound_only": True})
 
 

@@ -25,12 +25,18 @@ schedule changes, and with it how much of the sync backward hides:
 - gradient sync: each chunk's buckets reduce while the stage runs its other chunks' backwards
   (`costmodel.estimate.chunk_hide`, the window of each chunk, as the plan's estimate prices it).
 
+Each chunk count, one included, also comes with its backwards split (ZB-H1, `Template.split_backward`,
+`costmodel.schedule.split_backward`): the fill and drain cross each stage with W_s - 2 G_s (G_s the
+stage's weight-gradient time, `StageTable.wgrad_s`), and memory is checked with what each chunk
+holds from its B to its W (`split_peaks`, exact over m in [S, 6S)).
+
 Per template, one variant joins it: the chunk count (2 to MAX_CHUNKS, at most its smallest stage's
-layers) fastest at the micro-batches the template's pipelines get when the whole cluster runs copies
-of it; of the two, `lower_envelope` (solver.templates) keeps those best for some m >= p, usually the
-variant alone, since it is never slower where transfers are cheap. So the master sees at most twice
-the templates and picks chunks jointly with cuts, TP, recompute and sharding. Not exact: a chunk
-count fastest only at a micro-batch count far from that estimate is not offered.
+layers; split or not) fastest at the micro-batches the template's pipelines get when the whole
+cluster runs copies of it; of the two, `lower_envelope` (solver.templates) keeps those best for
+some m >= p, usually the variant alone, since it is never slower where transfers are cheap. So
+the master sees at most twice the templates and picks chunks jointly with cuts, TP, recompute and
+sharding. Not exact: a chunk count fastest only at a micro-batch count far from that estimate is
+not offered.
 """
 
 import dataclasses
@@ -41,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from costmodel import schedule
-from costmodel.estimate import SyncCost, buckets_of, chunk_hide
+from costmodel.estimate import SyncCost, buckets_of, chunk_hide, hide_window_s
 from solver.stages import StageTable, exchanges_s
 from solver.templates import Template, lower_envelope
 
@@ -66,57 +72,109 @@ def chunk_ranges(
 
 
 def interleaved(
-    template: Template, tables: dict[int, StageTable], num_chunks: int, *, windows: bool = True
+    template: Template,
+    tables: dict[int, StageTable],
+    num_chunks: int,
+    *,
+    windows: bool = True,
+    split: bool = False,
+    memory: bool = True,
 ) -> Template | None:
-    """`template` run with `num_chunks` chunks per stage, or None where a stage has fewer layers than
-    chunks or its activations would not fit at S micro-batches (module docstring); `windows=False`
-    leaves its sync's windows to `chunk_windows` (the template's until then)."""
+    """`template` run with `num_chunks` chunks per stage (`split`: its backwards split, at one chunk
+    too), or None where a stage has fewer layers than chunks or its activations would not fit at S
+    micro-batches (module docstring); `windows=False` leaves its sync's windows to `chunk_windows`
+    (the template's until then), `memory=False` its memory check to `microbatch_limit`."""
     stages, v = template.stages, num_chunks
-    S = len(stages)
-    if S < 2 or any(e - s < v for s, e, _ in stages):
+    if len(stages) < 2 or any(e - s < v for s, e, _ in stages) or (v == 1 and not split):
         return None
-    layout = chunk_ranges(stages, v)
-    most = 0  # micro-batches whose live chunks fit on every stage (0: any count)
-    for si, ((s, e, tp), chunks) in enumerate(zip(stages, layout, strict=True)):
-        # each live chunk keeps its own activations (chunks of unequal layers weigh unequally)
-        table = tables[tp]
-        weights = [table.kept_bytes[a][b] for a, b in chunks]
-        room = table.max_in_flight[s][e] * table.kept_bytes[s][e]
-        # most chunks alive at once (at the largest first group) times the heaviest: enough where
-        # memory does not bind; else the exact peak at every micro-batch count
-        if schedule.peak_in_flight(si, S, v, 2 * S - 1) * max(weights) <= room:
-            continue
-        rows, first = live_rows(si, S, v)
-        over = first[rows @ np.asarray(weights, dtype=float) > room]
-        if len(over):  # the master gives this variant's pipelines fewer micro-batches than any of these
-            if over.min() == S:
-                return None
-            most = min(most or math.inf, int(over.min()) - 1)
+    most = microbatch_limit(stages, tables, v, split) if memory else 0
+    if most is None:
+        return None
+    S = len(stages)
     work = [tables[tp].time_s[s][e] for s, e, tp in stages]
     links = _links(template, tables)
     inner, wrap = sum(links[:-1]), links[-1]
     slowest = max(work)
     steady = 2 * v / S * inner
+    if split:  # the fill and drain cross each stage with W - 2G (`schedule.interleaved_time_s`)
+        lean = [w - 2 * tables[tp].wgrad_s[s][e] for w, (s, e, tp) in zip(work, stages, strict=True)]
+        fill = slowest + (sum(lean) - lean[work.index(slowest)]) / v
+    else:
+        fill = sum(work) / v + (1 - 1 / v) * slowest
     variant = dataclasses.replace(
         template,
-        pipeline_s=sum(work) / v + 2 * (inner + (v - 1) * wrap) + (1 - 1 / v) * slowest + steady,
+        pipeline_s=fill + 2 * (inner + (v - 1) * wrap) + steady,
         bottleneck_s=slowest + steady,
         chunks=v,
         max_microbatches=most,
+        split_backward=split,
     )
     return chunk_windows(variant, tables, links) if windows else variant
 
 
+def microbatch_limit(
+    stages: Sequence[tuple[int, int, int]], tables: dict[int, StageTable], num_chunks: int, split: bool
+) -> int | None:
+    """The most micro-batches whose live chunks fit on every stage of a variant (0: any count; None:
+    not even S), each live chunk weighing its own activations (chunks of unequal layers weigh
+    unequally) and under `split` what it holds from B to W."""
+    S, v = len(stages), num_chunks
+    most = 0
+    for si, ((s, e, tp), chunks) in enumerate(zip(stages, chunk_ranges(stages, v), strict=True)):
+        table = tables[tp]
+        weights = [table.kept_bytes[a][b] for a, b in chunks]
+        held = [table.held_bytes[a][b] for a, b in chunks] if split else []
+        room = table.max_in_flight[s][e] * table.kept_bytes[s][e]
+        # the most chunks alive at once (at the largest first group) times the heaviest: enough
+        # where memory does not bind; else the exact peak at every micro-batch count
+        if _quick_peak(si, S, v, max(weights), max(held, default=0)) <= room:
+            continue
+        if split:  # (tuples: templates of equal chunks share the answer)
+            ms = np.arange(S, 6 * S)
+            over = ms[split_peaks(si, S, v, tuple(weights), tuple(held)) > room]
+        else:
+            rows, first = live_rows(si, S, v)
+            over = first[rows @ np.asarray(weights, dtype=float) > room]
+        if len(over):  # the master gives this variant's pipelines fewer micro-batches than any of these
+            if over.min() == S:
+                return None
+            most = min(most or math.inf, int(over.min()) - 1)
+    return most
+
+
+def _quick_peak(stage: int, num_stages: int, num_chunks: int, weight: float, held: float) -> float:
+    """An upper bound on a stage's live bytes, chunks weighing at most `weight` alive and `held`
+    from B to W (0: not split). Alive chunks number at most the unsplit peak A_u; held ones at most
+    s + 1 (`costmodel.schedule.split_backward`); the two together at most A, the split schedule's
+    count of chunks from F to W. Counts at the largest first group, where they peak."""
+    S, v = num_stages, num_chunks
+    alive = schedule.peak_in_flight(stage, S, v, 2 * S - 1)
+    if not held:
+        return alive * weight
+    both = schedule.peak_in_flight(stage, S, v, 2 * S - 1, True)
+    kept = min(stage + 1, both)
+    if held >= weight:  # as many held as can be, the rest alive
+        return kept * held + min(alive, both - kept) * weight
+    return alive * weight + min(kept, both - alive) * held
+
+
 def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Sequence[float]) -> Template:
     """`variant` with the windows of its gradient sync: each chunk's gradients reduce as soon as its
-    backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around)."""
-    bwd, params, buckets = [], [], []
+    backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around),
+    or under split backward its W; at one chunk `costmodel.estimate.hide_window_s`."""
+    bwd, params, buckets, wgrad = [], [], [], []
     for (_, _, tp), ranges in zip(variant.stages, chunk_ranges(variant.stages, variant.chunks), strict=True):
         table = tables[tp]
         bwd.append([table.bwd_s[a][b] for a, b in ranges])
         params.append([table.params[a][b] for a, b in ranges])
         buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
-    hide, terms = chunk_hide(bwd, links, params, buckets)
+        wgrad.append([table.wgrad_s[a][b] for a, b in ranges])
+    split = wgrad if variant.split_backward else None
+    if variant.chunks == 1:
+        column = [row[0] for row in split] if split else None
+        hide, terms = hide_window_s([r[0] for r in bwd], links[:-1], [r[0] for r in buckets], column), ()
+    else:
+        hide, terms = chunk_hide(bwd, links, params, buckets, split)
     return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
 
 
@@ -154,6 +212,66 @@ def live_rows(stage: int, num_stages: int, num_chunks: int) -> tuple[np.ndarray,
     distinct = np.ones(len(rows), dtype=bool)
     distinct[1:] = (rows[1:] != rows[:-1]).any(axis=1)
     return rows[distinct].astype(float), counts[distinct]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def split_peaks(
+    stage: int, num_stages: int, num_chunks: int, weights: tuple[float, ...], held: tuple[float, ...]
+) -> np.ndarray:
+    """A stage's peak of live bytes under the split schedule (`costmodel.schedule.split_backward`)
+    at each micro-batch count m in [S, 6S): `costmodel.schedule.peak_live` with `held`, read off
+    weighted prefix sums of the forward table instead of walking 5S programs (the solver asks it of
+    every stage of pipelines of up to 82 stages). B frees a chunk's activation (weights[chunk]) and
+    holds held[chunk] until its W, s backwards later on stage s, so the peak comes after the
+    warm-up, after a forward w + j (j backwards done, the last min(j, s) held) or after a backward
+    j before its W leaves (the last min(j + 1, s + 1) held), drain included. As for `live_peaks`,
+    m in [S, 6S) is measured to hold the peak of every m (tests/test_solver_interleave.py)."""
+    S, v = num_stages, num_chunks
+    table = _stacked_prefixes(S, v)  # [m - S, n, chunk]
+    fwd = table @ np.asarray(weights, dtype=float)  # weight of the first n forwards
+    bwd = table[:, :, ::-1] @ np.asarray(weights, dtype=float)  # ... of the first n backwards
+    kept = table[:, :, ::-1] @ np.asarray(held, dtype=float)  # what the first n backwards hold
+    ms = np.arange(S, 6 * S)
+    n = ms * v
+    w = np.array([schedule.warmup(stage, S, v, int(m)) for m in ms])
+
+    peaks = fwd[np.arange(len(ms)), w]  # after the warm-up
+
+    def steps(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(m index, j) for j in [0, lengths[m index]) of every m, in order of m, and where each
+        m's run starts."""
+        starts = np.cumsum(lengths) - lengths
+        at = np.repeat(np.arange(len(lengths)), lengths)
+        return at, np.arange(lengths.sum()) - np.repeat(starts, lengths), starts
+
+    def most(values: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> None:
+        some = lengths > 0
+        peaks[some] = np.maximum(peaks[some], np.maximum.reduceat(values, starts[some]))
+
+    at, j, starts = steps(n - w)
+    after_f = fwd[at, w[at] + j + 1] - bwd[at, j] + kept[at, j] - kept[at, j - np.minimum(j, stage)]
+    most(after_f, n - w, starts)
+    at, j, starts = steps(n)
+    done = j + 1
+    after_b = (
+        fwd[at, np.minimum(done + w[at], n[at])]
+        - bwd[at, done]
+        + kept[at, done]
+        - kept[at, done - np.minimum(done, stage + 1)]
+    )
+    most(after_b, n, starts)
+    return peaks
+
+
+@functools.lru_cache(maxsize=64)
+def _stacked_prefixes(num_stages: int, num_chunks: int) -> np.ndarray:
+    """`_table_prefixes` as one array [m - S, n, chunk], each m's padded with its last row."""
+    prefixes = _table_prefixes(num_stages, num_chunks)
+    out = np.empty((len(prefixes), len(prefixes[-1]), num_chunks), dtype=np.int32)
+    for i, prefix in enumerate(prefixes):
+        out[i, : len(prefix)] = prefix
+        out[i, len(prefix) :] = prefix[-1]
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,19 +320,25 @@ def fastest_variant(
     m: int,
     overhead: Callable[[Template], float] = lambda t: 0.0,
 ) -> Template | None:
-    """The interleaved variant of `template` (2 to MAX_CHUNKS chunks) fastest at `m` micro-batches
-    with its `overhead` (the gradient sync it leaves exposed: more chunks hide more of it), or None
-    where no chunk count is possible."""
+    """The variant of `template` (2 to MAX_CHUNKS chunks, and each chunk count, one included, with
+    its backwards split) fastest at `m` micro-batches with its `overhead` (the gradient sync it
+    leaves exposed: more chunks hide more of it), or None where no variant is possible."""
     most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    variants = [interleaved(template, tables, k, windows=False) for k in range(2, most + 1)]
+    variants = [
+        interleaved(template, tables, k, windows=False, split=split, memory=False)
+        for k in range(1, most + 1)
+        for split in (False, True)
+    ]
     best, least = None, math.inf
-    # fastest first; the windows (the costly part) only for those that can still win: overhead >= 0
-    for variant in sorted(
-        (v for v in variants if v and (v.max_microbatches == 0 or v.max_microbatches >= m)),
-        key=lambda t: t.time_s(m),
-    ):
+    # fastest first; the memory check and the windows (the costly parts) only for those that can
+    # still win: overhead >= 0
+    for variant in sorted((v for v in variants if v), key=lambda t: t.time_s(m)):
         if variant.time_s(m) >= least:
             break
+        limit = microbatch_limit(variant.stages, tables, variant.chunks, variant.split_backward)
+        if limit is None or 0 < limit < m:
+            continue
+        variant = dataclasses.replace(variant, max_microbatches=limit)
         variant = chunk_windows(variant, tables, _links(variant, tables))
         if (cost := variant.time_s(m) + overhead(variant)) < least:
             best, least = variant, cost

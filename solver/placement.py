@@ -51,7 +51,9 @@ def place(
             devices = tuple(f"{node.name}:{g}" for g in node.gpus[offset : offset + tp])
             where[run][1] = offset + tp
             stages.append(cm.planned_stage(layers, devices, template.recompute))
-        built.append(Pipeline(num_microbatches=m, stages=tuple(stages)))
+        built.append(
+            Pipeline(num_microbatches=m, stages=tuple(stages), split_backward=template.split_backward)
+        )
     plan = Plan(
         model=cm.profile.model,
         global_batch_size=global_batch_size,

@@ -44,6 +44,7 @@ class StageTable:
     exchange_s[(t, inter)][e]: one micro-batch's exchange across the boundary from a stage ending at
         e to a stage of TP degree t, inside a node or across nodes (`CostModel.exchange_s`).
     bwd_s[s][e]: backward per micro-batch (the window its gradient reduction overlaps).
+    wgrad_s[s][e], held_bytes[s][e]: the split backward's W time and what B leaves for it.
     kept_bytes[s][e]: the activations one more micro-batch in flight adds (what max_in_flight
         divides the free memory by; an interleaved stage keeps its chunks' own, `solver.interleave`).
     """
@@ -58,6 +59,10 @@ class StageTable:
     bwd_s: list[list[float]]
     bucket_bytes: int  # of the gradient buckets (the plans' optimizer layout)
     kept_bytes: list[list[int]]
+    # split backward (`costmodel.estimate.StageCost.wgrad_s`, `held_bytes`): the weight-gradient
+    # part of bwd_s, and what a micro-batch holds from its B to its W
+    wgrad_s: list[list[float]]
+    held_bytes: list[list[int]]
 
 
 def sync_terms(
@@ -131,6 +136,8 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
         row_numel=whole.row_numel,
         sharded_over=whole.sharded_over,
         bucket_bytes=whole.bucket_bytes,
+        wgrad_s=summed("wgrad_s"),
+        held_bytes=summed("held_bytes"),
     )
 
 
@@ -172,6 +179,8 @@ def _build(cm: CostModel, tp: int, mbs: int) -> StageTable:
         bwd_s=np.asarray(grid.bwd_s).tolist(),
         bucket_bytes=cm.optimizer.bucket_bytes,
         kept_bytes=per_micro_batch.tolist(),
+        wgrad_s=np.asarray(grid.wgrad_s).tolist(),
+        held_bytes=np.rint(np.asarray(grid.held_bytes)).astype(np.int64).tolist(),
     )
 
 

@@ -82,6 +82,7 @@ class Template:
     max_microbatches: int = 0
     chunks: int = 1  # layer chunks per stage: 1 for 1F1B, more for interleaved 1F1B (solver.interleave)
     recompute: str = "none"  # every stage's activation recomputation (its costs are that mode's)
+    split_backward: bool = False  # weight gradients deferred (ZB-H1; solver.interleave)
 
     @property
     def num_stages(self) -> int:

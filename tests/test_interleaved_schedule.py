@@ -229,15 +229,15 @@ def test_split_cuts_the_bubble_of_the_70b_shape():
 
 
 def test_split_keeps_at_most_stage_zeros_activations():
-    """Deferring s weight gradients on stage s keeps each activation until its W: no stage holds
-    more than stage 0 does unsplit, and `held` adds the output gradients B leaves for W."""
+    """Deferring s weight gradients on stage s keeps what W reads until then: counted as whole
+    activations no stage holds more than stage 0 does unsplit; `held` is what B leaves for W."""
     for S in range(2, 7):
         for v in range(1, 4):
             for m in range(1, 3 * S + 1):
                 most = sc.peak_in_flight(0, S, v, m)
                 for s in range(S):
                     assert sc.peak_in_flight(s, S, v, m) <= sc.peak_in_flight(s, S, v, m, split=True) <= most
-    # stage 3 of 4, 1F1B, 8 micro-batches: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ...: four activations
-    # and, after B3, the four output gradients held for W0..W3
-    assert sc.peak_live(3, 4, 1, 8, [1.0], held=[0.0]) == 4.0
-    assert sc.peak_live(3, 4, 1, 8, [1.0], held=[0.5]) == pytest.approx(4 * (1.0 + 0.5))
+    # stage 3 of 4, 1F1B, 8 micro-batches: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ...: with all of an
+    # activation held until W, four alive; holding half of it, at F3 one activation and three halves
+    assert sc.peak_live(3, 4, 1, 8, [1.0], held=[1.0]) == 4.0
+    assert sc.peak_live(3, 4, 1, 8, [1.0], held=[0.5]) == pytest.approx(1.0 + 3 * 0.5)

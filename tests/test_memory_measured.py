@@ -3,7 +3,8 @@
 A subset of `benchmarks/memory_validation.py`'s plans (corners that have bitten before: bf16 TP
 without SP, whose head keeps an fp32 copy of the logits; a TP1 > TP2 SP > TP3 SP chain with full and
 selective recompute; an interleaved bf16 pipeline of three TP degrees with recompute on one chunk;
-the benchmark runs all 20) trains two steps under torchrun; every device's measured peak (`memory`
+split backward, interleaved and not, whose inputs and output gradients live from B to W; the
+benchmark runs all of its plans) trains two steps under torchrun; every device's measured peak (`memory`
 event) must not exceed its prediction, nor any static kind (parameters, gradients, optimizer state)
 differ from it by more than the largest shard's rounding (TP rank 0 holds the largest piece of an
 uneven split). The live-storage
@@ -20,6 +21,8 @@ SUBSET = (
     "TP2 bfloat16",
     "TP1 > TP2 SP full > TP3 SP selective float32",
     "interleaved TP2 SP (full on chunk 0) > TP1 > TP2 SP, 2 chunks bfloat16",
+    "split backward, interleaved TP2 SP > TP1 selective, 2 chunks bfloat16",
+    "split backward, TP1 > TP2 SP full > TP1 float32",
 )
 
 
@@ -47,7 +50,7 @@ def test_live_bytes_counts_new_storages_once_and_frees_them():
     "name",
     # the six-process chain -m slow (make test's time budget): the others keep TP, SP, recompute and
     # interleaving in the default suite, and the benchmark runs all its plans
-    [pytest.param(n, marks=pytest.mark.slow) if n.startswith("TP1 > TP2") else n for n in SUBSET],
+    [pytest.param(n, marks=pytest.mark.slow) if "TP1 > TP2" in n else n for n in SUBSET],
 )
 def test_training_steps_never_use_more_memory_than_predicted(name):
     bench = _benchmark()

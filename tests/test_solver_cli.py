@@ -89,3 +89,32 @@ def test_whatif_writes_the_csv_and_the_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "failures  healthy" in printed and "proportional" in printed
+
+
+def test_a_pinned_grid_can_split_its_backwards(tmp_path, capsys):
+    """`--method uniform --split-backward` writes plans whose pipelines split their backwards (and
+    price them so: faster than the same grid unsplit); without --method uniform it is a pin error."""
+    path = tmp_path / "p7.json"
+    write_json(
+        path,
+        analytic_profile(
+            PRESETS["llama2-7b"],
+            device_kind="H100-80GB",
+            micro_batch_sizes=[1],
+            tp_degrees=[1, 2],
+            seq_len=4096,
+        ).to_json(),
+    )
+    base = ["plan", "--profile", str(path), "--cluster", "8", "--global-batch-size", "32"]
+    grid = ["--method", "uniform", "--tp", "2", "--pp", "4"]
+    steps = {}
+    for split in (False, True):
+        out = tmp_path / f"plan-{split}.json"
+        assert main([*base, *grid, *(["--split-backward"] if split else []), "--out", str(out)]) == 0
+        plan = Plan.from_json(json.loads(out.read_text()))
+        assert all(p.split_backward == split for p in plan.pipelines)
+        steps[split] = plan.predicted["step_time_s"]
+        assert f"split backward in {len(plan.pipelines) if split else 0} of" in capsys.readouterr().out
+    assert steps[True] < steps[False]
+    assert main([*base, "--split-backward", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--split-backward pin a uniform grid" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from costmodel.schedule import interleaved_time_s
 from profiler.analytic import analytic_profile
 from solver import baselines
 from solver.core import tp_degrees
-from solver.interleave import chunk_ranges, interleaved, live_peaks
+from solver.interleave import chunk_ranges, interleaved, live_peaks, split_peaks
 from solver.skeletons import splitter_of
 from solver.stages import stage_table, sync_terms
 from solver.templates import Template
@@ -56,18 +56,25 @@ def test_variant_is_priced_like_the_plan_it_becomes(p7):
         max_params=0,
         optimizer_s=0,
     )
-    for v in (2, 3, 4):
-        variant = interleaved(base, tables, v)
-        assert variant is not None and variant.chunks == v
+    unsplit = {}
+    for v, split in [(2, False), (3, False), (4, False), (1, True), (2, True), (3, True)]:
+        variant = interleaved(base, tables, v, split=split)
+        assert variant is not None and variant.chunks == v and variant.split_backward == split
         plan = solver.placement.place(cm, cluster, 8, 1, [(variant, 8)], [(8, (8,))])
         assert plan.pipelines[0].num_chunks == v and plan.pipelines[0].stages[-1].chunks[-1][1] == L
+        assert plan.pipelines[0].split_backward == split
         estimate = cm.estimate(plan)
         assert variant.time_s(8) == pytest.approx(estimate.pipeline_times_s[0], rel=1e-9)
         fwd = [s.cost.fwd_s for s in estimate.stages]
         bwd = [s.cost.bwd_s for s in estimate.stages]
+        wgrad = [s.cost.wgrad_s for s in estimate.stages] if split else None
         p2p = [s.p2p_s for s in estimate.stages[:-1]]
-        wrap = cm.exchange_s(estimate.stages[-1].cost, 2, True, False)  # the TP4 stage feeds the TP2 one
-        assert estimate.pipeline_times_s[0] == pytest.approx(interleaved_time_s(fwd, bwd, [*p2p, wrap], 8, v))
+        wrap = cm.exchange_s(estimate.stages[-1].cost, 2, True, False) if v > 1 else 0.0
+        want = interleaved_time_s(fwd, bwd, [*p2p, wrap], 8, v, wgrad)
+        assert estimate.pipeline_times_s[0] == pytest.approx(want)
+        if split and v > 1:  # splitting the backward is faster at the same chunk count
+            assert estimate.pipeline_times_s[0] < unsplit[v]
+        unsplit.setdefault(v, estimate.pipeline_times_s[0])
 
 
 def test_choosing_chunks_is_never_slower_and_cuts_the_bubble(p7):
@@ -204,6 +211,22 @@ def test_the_solvers_live_peaks_hold_the_peak_at_every_micro_batch_count():
     assert schedule.peak_live(1, 5, 6, 43, heavy_first) > schedule.peak_live(1, 5, 6, 9, heavy_first)
 
 
+def test_the_solvers_split_peaks_are_the_walked_ones_and_hold_every_micro_batch_count():
+    """Under split backward B frees a chunk's activation and holds what its W reads (more or less
+    than the activation); `split_peaks` is `costmodel.schedule.peak_live` with `held` at every m in
+    [S, 6S), and their most is the most over every m up to 12S, at one chunk too."""
+    rng = random.Random(6)
+    for _ in range(100):
+        S, v = rng.randint(2, 10), rng.randint(1, 6)
+        stage = rng.randrange(S)
+        weights = [rng.choice([0.5, 1.0, 2.0]) * rng.uniform(0.9, 1.1) for _ in range(v)]
+        held = [w * rng.uniform(0.3, 1.8) for w in weights]
+        fast = split_peaks(stage, S, v, tuple(weights), tuple(held))
+        walked = [schedule.peak_live(stage, S, v, m, weights, held) for m in range(S, 12 * S)]
+        assert fast == pytest.approx(walked[: 5 * S], rel=1e-12), (S, v, stage)
+        assert max(fast) == pytest.approx(max(walked), rel=1e-12), (S, v, stage)
+
+
 def test_a_variants_sync_is_priced_like_the_plan_it_becomes(p7):
     """The chunk windows the solver gives a variant (solver.interleave.chunk_windows) are the ones
     the estimate gives its plan: the same exposed gradient sync, below what one window per stage
@@ -224,6 +247,18 @@ def test_a_variants_sync_is_priced_like_the_plan_it_becomes(p7):
         priced = sync(2, variant).exposed_s(variant.hide_s)
         assert estimate.sync_s == pytest.approx(priced, rel=1e-9)
         assert priced < sync(2, base).exposed_s(base.hide_s)
+    # split backward: the gradients come from the deferred W ops, later than B, so the windows
+    # shrink (never grow) and the plan prices them as the variant does, at one chunk too
+    for v in (1, 2, 3):
+        variant = interleaved(base, tables, v, split=True)
+        plan = solver.placement.place(
+            cm, cluster, 16, 1, [(variant, 8), (variant, 8)], [(8, (8,)), (8, (8,))]
+        )
+        estimate = cm.estimate(plan)
+        priced = sync(2, variant).exposed_s(variant.hide_s)
+        assert estimate.sync_s == pytest.approx(priced, rel=1e-9)
+        unsplit = base if v == 1 else interleaved(base, tables, v)
+        assert variant.hide_s <= unsplit.hide_s
 
 
 def test_a_variant_whose_warm_up_outgrows_memory_takes_fewer_micro_batches(p70):

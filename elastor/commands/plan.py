@@ -63,9 +63,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=chunks_arg,
         default="1",
         help="layer chunks per stage: 1 (1F1B; default); auto: also search interleaved 1F1B with "
-        "2-8 chunks per stage, chosen per pipeline (about three times the solve time); or a number V "
+        "2-8 chunks per stage and split backwards (ZB-H1) at any chunk count, chosen per pipeline "
+        "(about three times the solve time); or a number V "
         f"(with --method uniform: every stage holds V chunks, Megatron's interleaved schedule; V in "
         f"1..{MAX_CHUNKS:,})",
+    )
+    p.add_argument(
+        "--split-backward",
+        action="store_true",
+        help="with --method uniform: every pipeline splits each backward into its input and weight "
+        "gradients and defers the latter (ZB-H1; --chunks auto offers it to the solver per pipeline)",
     )
     p.add_argument("--tp", type=TP, help=f"with --method uniform: pin the TP degree of every stage ({TP})")
     p.add_argument("--pp", type=PP, help=f"with --method uniform: pin the pipeline depth ({PP})")
@@ -122,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
     profile, cluster = load_inputs(args)
     sizes = micro_batch_sizes(args.micro_batch_sizes)
     sharding = SHARDING if args.sharding == "auto" else (args.sharding,)
-    grid = Grid(tp=args.tp, pp=args.pp, chunks=1 if args.chunks == "auto" else int(args.chunks))
+    grid = Grid(
+        tp=args.tp,
+        pp=args.pp,
+        chunks=1 if args.chunks == "auto" else int(args.chunks),
+        split_backward=args.split_backward,
+    )
     plan = solver.solve(
         profile,
         cluster,
@@ -147,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
         + f"; wrote {args.out}"
     )
     chunks = sorted({p.num_chunks for p in plan.pipelines})
+    split = sum(p.split_backward for p in plan.pipelines)
     print(
-        f"{plan.dtype}, optimizer {plan.optimizer.sharding}, layer chunks per stage {chunks}; "
+        f"{plan.dtype}, optimizer {plan.optimizer.sharding}, layer chunks per stage {chunks}, "
+        f"split backward in {split} of {len(plan.pipelines)} pipelines; "
         f"passes (predicted step s): {info['passes']}"
     )
     if args.compare:
