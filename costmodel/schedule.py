@@ -21,6 +21,12 @@ chunk is done and waits only for the input it needs next (`runtime.pipeline`), s
 warm-up suffices and keeps S - s - 1 fewer chunk activations alive (`replay` checks that no order of
 arrivals can deadlock and that no backward comes before its forward: it stops with work left).
 
+Split backward (ZB-H1; Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1): with
+`split`, every backward becomes its input gradient "B", which the previous stage waits for, and its
+weight gradient "W", which nothing waits for; stage s runs each W s backwards after its B
+(`deferred`), the last ones at the end, where they fill the drain's waits. The order of F and B is
+unchanged, so the messages are the same; the replay prices B and W apart.
+
 Cost: the replay with per-chunk times is the reference; `interleaved_time_s` is the closed form the
 cost model and the solver use, tested against the replay in tests/test_interleaved_schedule.py.
 """
