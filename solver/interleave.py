@@ -48,6 +48,7 @@ import numpy as np
 
 from costmodel import schedule
 from costmodel.estimate import SyncCost, buckets_of, chunk_hide, hide_window_s
+from solver.memo import IdentityMemo
 from solver.stages import StageTable, exchanges_s
 from solver.templates import Template, lower_envelope
 
@@ -117,7 +118,20 @@ def microbatch_limit(
 ) -> int | None:
     """The most micro-batches whose live chunks fit on every stage of a variant (0: any count; None:
     not even S), each live chunk weighing its own activations (chunks of unequal layers weigh
-    unequally) and under `split` what it holds from B to W."""
+    unequally) and under `split` what it holds from B to W. Memoised: the grids of one solve ask it
+    of the same stages again and again (their pipelines differ only where they change nodes)."""
+    used = tuple(tables[tp] for tp in sorted({tp for _, _, tp in stages}))
+    return _LIMITS.get(
+        used, (tuple(stages), num_chunks, split), lambda: _limit(stages, tables, num_chunks, split)
+    )
+
+
+_LIMITS: IdentityMemo[int | None] = IdentityMemo(limit=1 << 16)
+
+
+def _limit(
+    stages: Sequence[tuple[int, int, int]], tables: dict[int, StageTable], num_chunks: int, split: bool
+) -> int | None:
     S, v = len(stages), num_chunks
     most = 0
     for si, ((s, e, tp), chunks) in enumerate(zip(stages, chunk_ranges(stages, v), strict=True)):
@@ -129,12 +143,17 @@ def microbatch_limit(
         # where memory does not bind; else the exact peak at every micro-batch count
         if _quick_peak(si, S, v, max(weights), max(held, default=0)) <= room:
             continue
-        if split:  # (tuples: templates of equal chunks share the answer)
-            ms = np.arange(S, 6 * S)
-            over = ms[split_peaks(si, S, v, tuple(weights), tuple(held)) > room]
-        else:
-            rows, first = live_rows(si, S, v)
-            over = first[rows @ np.asarray(weights, dtype=float) > room]
+        rows, first = live_rows(si, S, v)
+        alive = rows @ np.asarray(weights, dtype=float)
+        if split:
+            # the split peak is at least the unsplit one (B's held bytes come on top), and at most
+            # that plus s + 1 chunks held: the exact walk only between the two
+            if alive.max() + (si + 1) * max(held) <= room:
+                continue
+            if first[alive > room].min(initial=6 * S) > S:  # (tuples: equal chunks share the walk)
+                ms = np.arange(S, 6 * S)
+                alive, first = split_peaks(si, S, v, tuple(weights), tuple(held)), ms
+        over = first[alive > room]
         if len(over):  # the master gives this variant's pipelines fewer micro-batches than any of these
             if over.min() == S:
                 return None
