@@ -28,8 +28,9 @@ fraction hidden is 1 - overlapped wait / plain wait (medians).
 
 (4) Interleaving: one pipeline of 4 stages and 8 micro-batches of gpt-tiny's widths with 6 blocks
 (gpt-tiny itself has 6 layers, too few for 4 stages of 2 chunks), trained in the same 4 processes by
-two trainers, one under 1F1B (2 layers per stage) and one under interleaved 1F1B (2 chunks of one
-layer per stage), step for step in alternation (which one goes first alternates too): the median
+three trainers, one under 1F1B (2 layers per stage), one under interleaved 1F1B (2 chunks of one
+layer per stage) and one under interleaved 1F1B with split backward (ZB-H1), step for step in
+alternation (which one goes first rotates too): the median
 step times side by side, and the cost model's prediction for both plans from the gpt-tiny CPU
 profile (profiles/gpt-tiny-cpu.json, its block row standing for all six blocks).
 
@@ -338,13 +339,17 @@ def _overlap_worker(plan_path: Path, steps: int, result: Path) -> None:
 GPT_TINY_DEEP = dataclasses.replace(PRESETS["gpt-tiny"], name="gpt-tiny-6-blocks", num_blocks=6)
 
 
-def interleave_plans() -> dict[int, dict]:
-    """The 4-stage, 8-micro-batch pipeline under 1F1B (v = 1) and interleaved 1F1B (v = 2)."""
+SCHEDULES = ("1", "2", "2-split")  # v = 1, v = 2, v = 2 with its backwards split (ZB-H1)
+
+
+def interleave_plans() -> dict[str, dict]:
+    """The 4-stage, 8-micro-batch pipeline under 1F1B ("1"), interleaved 1F1B ("2") and interleaved
+    1F1B with split backward ("2-split")."""
     devices = [[f"n0:{s}"] for s in range(4)]
     one = [((2 * s, 2 * s + 2), d) for s, d in enumerate(devices)]
     two = [(((s, s + 1), (4 + s, 5 + s)), d) for s, d in enumerate(devices)]
 
-    def plan(stages):
+    def plan(stages, split=False):
         return {
             "schema_version": 1,
             "model": GPT_TINY_DEEP.to_json(),
@@ -354,6 +359,7 @@ def interleave_plans() -> dict[int, dict]:
             "pipelines": [
                 {
                     "num_microbatches": 8,
+                    "split_backward": split,
                     "stages": [
                         {"layers": [list(c) for c in r] if isinstance(r[0], tuple) else list(r), "devices": d}
                         for r, d in stages
@@ -362,7 +368,7 @@ def interleave_plans() -> dict[int, dict]:
             ],
         }
 
-    return {1: plan(one), 2: plan(two)}
+    return {"1": plan(one), "2": plan(two), "2-split": plan(two, split=True)}
 
 
 def _interleave_worker(steps: int, result: Path) -> None:
@@ -372,12 +378,12 @@ def _interleave_worker(steps: int, result: Path) -> None:
     from runtime.trainer import Trainer
 
     plans = {v: Plan.from_json(p).validate() for v, p in interleave_plans().items()}
-    ctx = _join(plans[1])
+    ctx = _join(plans["1"])
     trainers = {v: Trainer(plan, ctx, optim=OptimConfig(), seed=0) for v, plan in plans.items()}
-    times: dict[int, list[float]] = {1: [], 2: []}
-    losses: dict[int, list[float]] = {1: [], 2: []}
+    times: dict[str, list[float]] = {v: [] for v in SCHEDULES}
+    losses: dict[str, list[float]] = {v: [] for v in SCHEDULES}
     for k in range(steps):
-        for v in (1, 2) if k % 2 == 0 else (2, 1):
+        for v in SCHEDULES[k % 3 :] + SCHEDULES[: k % 3]:  # each goes first in turn
             dist.barrier()
             start = time.perf_counter()
             losses[v].append(trainers[v].train_step().loss)
@@ -397,7 +403,7 @@ def run_interleave(steps: int, tmp: Path) -> list[dict]:
     _torchrun(4, ["--worker", "interleave", "--steps", str(steps), "--result", str(result)], 900)
     data = json.loads(result.read_text())
     warm = 2
-    measured = {v: statistics.median(data["times"][str(v)][warm:]) for v in (1, 2)}
+    measured = {v: statistics.median(data["times"][v][warm:]) for v in SCHEDULES}
     tiny = json.loads((REPO / "profiles" / "gpt-tiny-cpu.json").read_text())
     block = tiny["layers"][1]
     blocks = [{**block, "name": f"blocks.{i}"} for i in range(GPT_TINY_DEEP.num_blocks)]
@@ -406,14 +412,20 @@ def run_interleave(steps: int, tmp: Path) -> list[dict]:
     )
     cm = CostModel(profile, ClusterSpec.parse("4", profile.device_kind))
     predicted = {v: cm.estimate(Plan.from_json(p)).pipeline_times_s[0] for v, p in interleave_plans().items()}
-    gap = max(abs(a - b) / abs(b) for a, b in zip(data["losses"]["1"], data["losses"]["2"], strict=True))
+    gap = max(
+        abs(a - b) / abs(b)
+        for v in SCHEDULES[1:]
+        for a, b in zip(data["losses"][v], data["losses"]["1"], strict=True)
+    )
     return [
         {
             "plan": "gpt-tiny-6-blocks, 4 stages, 8 micro-batches of 2",
-            "measured_s": {str(v): measured[v] for v in (1, 2)},
-            "measured_ratio_v2_over_v1": measured[2] / measured[1],
-            "predicted_pipeline_s": {str(v): predicted[v] for v in (1, 2)},
-            "predicted_ratio_v2_over_v1": predicted[2] / predicted[1],
+            "measured_s": measured,
+            "measured_ratio_v2_over_v1": measured["2"] / measured["1"],
+            "measured_ratio_split_over_v2": measured["2-split"] / measured["2"],
+            "predicted_pipeline_s": predicted,
+            "predicted_ratio_v2_over_v1": predicted["2"] / predicted["1"],
+            "predicted_ratio_split_over_v2": predicted["2-split"] / predicted["2"],
             "max_loss_rel_diff": gap,
             "steps_timed": steps - warm,
         }
@@ -651,9 +663,22 @@ def main() -> int:
             )
         )
     print(format_table(rows))
-    print("(4) interleaved 1F1B against 1F1B: same pipeline, same processes, alternating steps")
+    print(
+        "(4) interleaved 1F1B (and split backward) against 1F1B: same pipeline, same processes, "
+        "alternating steps"
+    )
     rows = [
-        ("plan", "1F1B s/step", "interleaved s/step", "measured v2/v1", "predicted v2/v1", "loss rel diff")
+        (
+            "plan",
+            "1F1B s/step",
+            "interleaved s/step",
+            "split s/step",
+            "measured v2/v1",
+            "predicted v2/v1",
+            "measured split/v2",
+            "predicted split/v2",
+            "loss rel diff",
+        )
     ]
     for r in interleave:
         rows.append(
@@ -661,8 +686,11 @@ def main() -> int:
                 r["plan"],
                 f"{r['measured_s']['1']:.4f}",
                 f"{r['measured_s']['2']:.4f}",
+                f"{r['measured_s']['2-split']:.4f}",
                 f"{r['measured_ratio_v2_over_v1']:.3f}",
                 f"{r['predicted_ratio_v2_over_v1']:.3f}",
+                f"{r['measured_ratio_split_over_v2']:.3f}",
+                f"{r['predicted_ratio_split_over_v2']:.3f}",
                 f"{r['max_loss_rel_diff']:.1e}",
             )
         )
