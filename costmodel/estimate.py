@@ -269,10 +269,10 @@ def hide_window_s(
     usually sets it.
 
     Split backward (`wgrad_s`, G_s of each B_s; `costmodel.schedule.split_backward`): the gradients
-    come from the W ops, and stage s runs its last s of them after its last B, so its buckets fill
-    over its last W, s G_s after that B, while the cool-down in front runs the input gradients
-    alone and then stage 0's last W: G_s (1 - 1/K_s) + max(0, sum_{s' < s} (B_s' - G_s' + c_s')
-    + G_0 [s > 0] - s G_s)."""
+    come from the W ops, and stage s runs its last s of them after its last B, so its buckets are
+    ready when its last W ends (runtime/split_backward.py accumulates a W's gradients after
+    computing them all), s G_s after that B, while the cool-down in front runs the input gradients
+    alone and then stage 0's last W: max(0, sum_{s' < s} (B_s' - G_s' + c_s') + G_0 [s > 0] - s G_s)."""
     if wgrad_s is None:
         cooling, hide = 0.0, math.inf
         for s, (b, k) in enumerate(zip(bwd_s, buckets, strict=True)):
@@ -280,9 +280,8 @@ def hide_window_s(
             cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
         return hide
     cooling, hide = 0.0, math.inf
-    for s, (b, g, k) in enumerate(zip(bwd_s, wgrad_s, buckets, strict=True)):
-        after = cooling + (wgrad_s[0] if s else 0.0) - s * g
-        hide = min(hide, g * (1 - 1 / max(1, k)) + max(0.0, after))
+    for s, (b, g) in enumerate(zip(bwd_s, wgrad_s, strict=True)):
+        hide = min(hide, max(0.0, cooling + (wgrad_s[0] if s else 0.0) - s * g))
         cooling += b - g + (p2p_s[s] if s < len(p2p_s) else 0.0)
     return hide
 
@@ -324,8 +323,9 @@ def chunk_hide(
     its last W, which stage s runs s backwards after its B: the window shrinks by s b_s,max (each
     deferred pair a B and a W of some chunk), for chunk 0, whose last backwards are the stage's
     last, by the s trailing W's, s g_s0; the chains through other stages (the cool-down in front,
-    the earlier virtual stages) count input gradients alone, b - g, and the buckets fill over the
-    last W, g_sk (1 - 1/K_sk). A lower bound on each window, as the unsplit one is."""
+    the earlier virtual stages) count input gradients alone, b - g, and a chunk's buckets are all
+    ready when its last W ends (no b (1 - 1/K) to add). tests/test_overlap_model.py holds it
+    against a simulation of the split replay."""
     b = np.asarray(bwd_s, dtype=float)
     S, v = b.shape
     g = b if wgrad_s is None else np.asarray(wgrad_s, dtype=float)
@@ -347,7 +347,7 @@ def chunk_hide(
     share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
     before = np.cumsum(share, axis=1) - share
     K = np.maximum(1, np.asarray(buckets, dtype=float))
-    first = window + g * (1 - 1 / K)
+    first = window + (b * (1 - 1 / K) if wgrad_s is None else 0.0)
     hide = float(first[:, -1].min())
     shares = np.concatenate([(before + share)[:, :-1].ravel(), (before + share / K).ravel()])
     windows = np.concatenate([first[:, :-1].ravel(), window.ravel()])
