@@ -366,4 +366,8 @@ class InterleavedSchedule(_Schedule):
                 if x is not None:
                     self._send(x.grad, self.send_bwd)
         self._end()
+        if self.deferred is not None and self.deferred.pending:  # every W ran: the program's promise
+            raise RuntimeError(
+                f"{self.deferred.pending} micro-batch chunks' weight gradients were never computed"
+            )
         return loss
