@@ -276,8 +276,8 @@ def attention_core_fraction(
 def _projection_gemms_s(
     config: ModelConfig, tokens: int, tp_degree: int, dt: int, device: DeviceKind
 ) -> float:
-    """One pass of a block shard's seven projections (q, k, v, o, gate, up, down) on `device`: their
-    forward, and as much again for their input gradients and for their weight gradients."""
+    """The forward time of a block shard's seven projections (q, k, v, o, gate, up, down) on
+    `device`; their input gradients take as long again, and so do their weight gradients."""
     h, d = config.hidden_size, config.head_dim
     heads, kv_heads, width, _ = _local(config, tp_degree)
     q, kv = heads * d, kv_heads * d
@@ -315,9 +315,8 @@ def weight_gradient_fraction(
         deferred += main_gradient_bytes(config, kind, tp_degree, dtype) / bandwidth
         _, backward = layer_times_s(config, kind, b, s, tp_degree, dtype, priced_on, attention)
         return min(1.0, deferred / backward)
-    core = 2 * 2 * b * s * s * (config.num_heads // tp_degree) * config.head_dim * CAUSAL_ATTENTION_FRACTION
-    forward = forward_flops(config, kind, b, s, tp_degree)
-    return (forward - core) / backward_flops(config, kind, b, s, tp_degree)
+    # the projections are the forward's FLOPs less the (causal) attention core's
+    return (1.0 - attention_core_fraction(config, b, s, tp_degree)) / BACKWARD_FLOPS_FACTOR
 
 
 def deferred_gradient_bytes(

@@ -34,8 +34,8 @@ is priced by `schedule.interleaved_time_s` with each stage's weight-gradient tim
 accumulation, `analytic.weight_gradient_fraction` of the backward), at one chunk too: the fill and
 drain cross each stage with W_s - 2 G_s. Its stages' memory walks the split program
 (`schedule.peak_live` with `held`: B frees a chunk's activations and keeps what its W reads,
-`StageCost.held_bytes`, until W), and its gradient buckets fill over the last W, whose deferral
-shrinks the sync windows (`hide_window_s`, `chunk_hide`).
+`StageCost.held_bytes`, until W), and its gradient buckets are ready when the last W ends, whose
+deferral shrinks the sync windows (`hide_window_s`, `chunk_hide`).
 
 Gradient sync: every segment of every parameter has one holder per pipeline (costmodel.layout), and
 the holders reduce it together in gradient buckets (costmodel.sharding): ring all-reduce, or under
@@ -175,8 +175,8 @@ class StageCost:
     # NCCL buffers a planned stage reserves (`communicators.planned_bytes`); a plan's are exact.
     comm_bytes: int = 0
     # Split backward (ZB-H1): the part of compute_bwd_s its W runs (the blocks' weight gradients,
-    # `analytic.weight_gradient_fraction`), and what a micro-batch holds from B to W on top of its
-    # activations (`analytic.deferred_gradient_bytes`).
+    # `analytic.weight_gradient_fraction`), and what a micro-batch holds from B to W in place of its
+    # activations, which B frees (`analytic.deferred_gradient_bytes`).
     wgrad_s: float = 0.0
     held_bytes: int = 0
 
@@ -339,9 +339,9 @@ def chunk_hide(
     own = S * (np.cumsum(b, axis=1) - b) + front[:, :1]  # S of each earlier chunk, then cool-down
     window = np.maximum(own, front + earlier[None, :])
     if wgrad_s is not None:
-        stage = np.arange(S, dtype=float)[:, None]
-        delay = stage * b.max(axis=1, keepdims=True) * np.ones((1, v))
-        delay[:, 0] = stage[:, 0] * g[:, 0]
+        stage = np.arange(S, dtype=float)
+        delay = np.repeat((stage * b.max(axis=1))[:, None], v, axis=1)
+        delay[:, 0] = stage * g[:, 0]
         window = np.maximum(0.0, window - delay)
     n = np.asarray(params, dtype=float)
     share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
