@@ -86,7 +86,9 @@ receives under the routes the runtime posts (`costmodel.boundary`: sequence slic
 stage of another TP degree), forward and backward averaged (`CostModel.exchange_s`).
 """
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -273,12 +275,13 @@ def hide_window_s(
     ready when its last W ends (runtime/split_backward.py accumulates a W's gradients after
     computing them all), s G_s after that B, while the cool-down in front runs the input gradients
     alone and then stage 0's last W: max(0, sum_{s' < s} (B_s' - G_s' + c_s') + G_0 [s > 0] - s G_s)."""
-    if wgrad_s is None:
-        cooling, hide = 0.0, math.inf
-        for s, (b, k) in enumerate(zip(bwd_s, buckets, strict=True)):
-            hide = min(hide, b * (1 - 1 / max(1, k)) + cooling)
-            cooling += b + (p2p_s[s] if s < len(p2p_s) else 0.0)
-        return hide
+    if wgrad_s is None:  # the cool-down in front of each stage, summed front to back
+        steps = map(operator.add, bwd_s, [*p2p_s[: len(bwd_s)], *[0.0] * (len(bwd_s) - len(p2p_s))])
+        cooling = itertools.accumulate(steps, initial=0.0)
+        return min(
+            (b * (1 - 1 / max(1, k)) + c for b, k, c in zip(bwd_s, buckets, cooling, strict=False)),
+            default=math.inf,
+        )
     cooling, hide = 0.0, math.inf
     for s, (b, g) in enumerate(zip(bwd_s, wgrad_s, strict=True)):
         hide = min(hide, max(0.0, cooling + (wgrad_s[0] if s else 0.0) - s * g))
@@ -368,7 +371,7 @@ def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m:
 def steady_period_s(per_stage: list[float], p2p: list[float]) -> float:
     """The steady state's time per micro-batch: the slowest stage's F + B and its two exchanges."""
     c = [0.0, *p2p, 0.0]
-    return max(t + c[s] + c[s + 1] for s, t in enumerate(per_stage))
+    return max(t + a + b for t, a, b in zip(per_stage, c, c[1:], strict=False))
 
 
 def in_flight(stage: int, num_stages: int, m: int) -> int:

@@ -30,6 +30,7 @@ solver block (`complete: false`).
 
 import bisect
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -146,19 +147,24 @@ class Splitter:
         split = self._splits(tps)
         if split is None:
             return []
+        lines = self._lines(tps, runs)
+
+        def p2p(stages: tuple) -> list[float]:  # each boundary's exchange for a split's stages
+            return [line[stage[1]] for line, stage in zip(lines, stages)]
+
         at = split.stages_at(split.lo)
-        first = self._template(tps, runs, split.kinds, at, self._p2p(tps, runs, at[0]))
+        first = self._template(tps, runs, split.kinds, at, p2p(at[0]))
         # the smallest A at any M: only its A is needed
         at = split.stages_at(len(split.times) - 1)
-        least = _one_micro_batch_s(at[1], self._p2p(tps, runs, at[0]))
+        least = _one_micro_batch_s(at[1], p2p(at[0]))
         found = [first]
         for j in range(split.lo + 1, min(split.lo + 1 + MAX_EXTRA_THRESHOLDS, len(split.times))):
             if (p - 1) * (split.times[j] - first.bottleneck_s) >= first.pipeline_s - least:
                 break  # a larger M can no longer pay for itself with a smaller A
             at = split.stages_at(j)
-            p2p = self._p2p(tps, runs, at[0])
-            if _one_micro_batch_s(at[1], p2p) < found[-1].pipeline_s:
-                found.append(self._template(tps, runs, split.kinds, at, p2p))
+            exchanges = p2p(at[0])
+            if _one_micro_batch_s(at[1], exchanges) < found[-1].pipeline_s:
+                found.append(self._template(tps, runs, split.kinds, at, exchanges))
         return found
 
     def forget_splits(self) -> None:
@@ -177,42 +183,48 @@ class Splitter:
         p = len(tps)
         if p > self.n + 2:
             return None
-        kinds = [
-            self.kinds[tp, "first" if s == 0 else ("last" if s == p - 1 else "middle")]
-            for s, tp in enumerate(tps)
-        ]
+        kinds = [self.kinds[tp, "middle"] for tp in tps]
+        kinds[0], kinds[-1] = self.kinds[tps[0], "first"], self.kinds[tps[-1], "last"]
         mem = [k.reach[p - s] for s, k in enumerate(kinds)]
         if any(top < k.lo for k, top in zip(kinds, mem, strict=True)):
             return None
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
             return None
-        # Per distinct kind (by identity): its stages' memory caps, sorted, and their prefix sums,
-        # so that whether a time threshold's caps cover the blocks takes one bisection per kind.
-        distinct: dict[int, _Kind] = {}
-        held: dict[int, list[int]] = {}
+        # Per distinct kind: its stages' memory caps, sorted, and their prefix sums, so that
+        # whether a time threshold's caps cover the blocks takes one bisection per kind.
+        position: dict[int, int] = {}  # kind (by identity) -> its place in `distinct`
+        distinct: list[_Kind] = []
+        held: list[list[int]] = []
+        which = []  # each stage's place in `distinct`
         for k, top in zip(kinds, mem, strict=True):
-            distinct[id(k)] = k
-            held.setdefault(id(k), []).append(top)
-        for tops in held.values():
+            i = position.setdefault(id(k), len(distinct))
+            if i == len(distinct):
+                distinct.append(k)
+                held.append([])
+            held[i].append(top)
+            which.append(i)
+        for tops in held:
             tops.sort()
-        sums = {i: list(itertools.accumulate(tops, initial=0)) for i, tops in held.items()}
-        times = sorted({t for i, k in distinct.items() for t in k.time[k.lo : held[i][-1] + 1]})
+        sums = [list(itertools.accumulate(tops, initial=0)) for tops in held]
+        ranges = [(k, k.lo, tops[-1] + 1, tops, total) for k, tops, total in zip(distinct, held, sums, strict=True)]
+        times = sorted({t for k, lo, hi, _, _ in ranges for t in k.time[lo:hi]})
+        n = self.n
 
-        def cover(limit: float) -> dict[int, int] | None:
+        def cover(limit: float) -> list[int] | None:
             """Each kind's cap under the time threshold, if the stages' caps cover the blocks."""
-            cap, total = {}, 0
-            for i, k in distinct.items():
-                c = bisect.bisect_right(k.time, limit, lo=k.lo, hi=held[i][-1] + 1) - 1
-                if c < k.lo:
+            cap, total = [], 0
+            for k, lo, hi, tops, prefix in ranges:
+                c = bisect.bisect_right(k.time, limit, lo, hi) - 1
+                if c < lo:
                     return None
-                cap[i] = c
-                below = bisect.bisect_right(held[i], c)  # stages whose memory caps them lower
-                total += sums[i][below] + c * (len(held[i]) - below)
-            return cap if total >= self.n else None
+                cap.append(c)
+                below = bisect.bisect_right(tops, c)  # stages whose memory caps them lower
+                total += prefix[below] + c * (len(tops) - below)
+            return cap if total >= n else None
 
         def shape(limit: float) -> _Shape:
             cap = cover(limit)
-            caps = [min(top, cap[id(k)]) for k, top in zip(kinds, mem, strict=True)]
+            caps = [min(top, cap[i]) for i, top in zip(which, mem, strict=True)]
             return self._shape(tps, kinds, self._blocks(tps, kinds, caps))
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
@@ -221,11 +233,10 @@ class Splitter:
         )
         return _Splits(kinds, times, lo, shape)
 
-    def _p2p(self, tps, runs, stages: tuple) -> list[float]:
-        """Each boundary's exchange of a split's stages on the skeleton's runs."""
+    def _lines(self, tps, runs) -> list[list[float]]:
+        """Each boundary's exchange by the end of the stage in front of it, on the skeleton's runs."""
         return [
-            self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]][stages[s][1]]
-            for s in range(len(tps) - 1)
+            self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]] for s in range(len(tps) - 1)
         ]
 
     def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
@@ -236,26 +247,41 @@ class Splitter:
         degree takes are its stages' `left` smallest (parameters after the block, stage) keys. A
         stage's keys grow with its blocks, so they are found at once: the least parameter level
         that admits `left` keys (`_level`), every key below it, then the keys at it front to back.
+        Stages of one kind and cap have the same keys: they are handled as one slice.
         """
         blocks = [k.lo for k in kinds]
         left = self.n - sum(blocks)
         for stages in self._degrees(tps):
             if not left:
                 break
-            members = [s for s in stages if blocks[s] < caps[s]]
-            room = sum(caps[s] - blocks[s] for s in members)
+            slices: dict[tuple[int, int], list] = {}  # (kind, cap) -> [params, lo, hi, stages]
+            room = 0
+            for s in stages:
+                k, cap = kinds[s], caps[s]
+                if cap > k.lo:
+                    room += cap - k.lo
+                    alike = slices.get((id(k), cap))
+                    if alike is None:
+                        slices[id(k), cap] = [k.params, k.lo + 1, cap + 1, [s]]
+                    else:
+                        alike[3].append(s)
             if room <= left:  # every stage of the degree fills to its cap
-                for s in members:
-                    blocks[s] = caps[s]
+                for _, _, hi, members in slices.values():
+                    for s in members:
+                        blocks[s] = hi - 1
                 left -= room
                 continue
-            level = self._level([(kinds[s].params, blocks[s] + 1, caps[s] + 1) for s in members], left)
-            for s in members:  # every key below the level
-                taken = bisect.bisect_left(kinds[s].params, level, blocks[s] + 1, caps[s] + 1) - blocks[s] - 1
-                blocks[s] += taken
-                left -= taken
-            for s in members:  # the keys at the level, front to back
-                at = bisect.bisect_right(kinds[s].params, level, blocks[s] + 1, caps[s] + 1) - blocks[s] - 1
+            level = self._level(list(slices.values()), left)
+            at_level = []
+            for params, lo, hi, members in slices.values():
+                below = bisect.bisect_left(params, level, lo, hi)  # every key below the level
+                left -= (below - lo) * len(members)
+                at = bisect.bisect_right(params, level, below, hi) - below
+                for s in members:
+                    blocks[s] = below - 1
+                if at:
+                    at_level += [(s, at) for s in members]
+            for s, at in sorted(at_level):  # the keys at the level, front to back
                 taken = min(left, at)
                 blocks[s] += taken
                 left -= taken
@@ -269,33 +295,30 @@ class Splitter:
         return self._by_degree[tps]
 
     @staticmethod
-    def _level(keys: list[tuple[list[int], int, int]], count: int) -> int:
-        """The least value v such that at least `count` of the keys (each a sorted list's slice
-        [lo, hi)) are <= v."""
-        groups: dict[tuple[int, int, int], int] = {}
-        for params, lo, hi in keys:  # stages of one kind, blocks and cap count alike
-            groups[id(params), lo, hi] = groups.get((id(params), lo, hi), 0) + 1
-        arrays = {id(params): params for params, _, _ in keys}
-        values = sorted({v for (i, lo, hi) in groups for v in arrays[i][lo:hi]})
+    def _level(slices: list[list], count: int) -> int:
+        """The least value v such that at least `count` keys are <= v, the keys being every slice
+        [lo, hi) of a sorted list, once per stage sharing it ([list, lo, hi, stages]): the count
+        only grows with v, so each slice's least key that reaches it is found by bisection, and the
+        level is the least of those."""
 
-        def enough(j: int) -> bool:
-            v = values[j]
-            return (
-                sum(m * (bisect.bisect_right(arrays[i], v, lo, hi) - lo) for (i, lo, hi), m in groups.items())
-                >= count
-            )
+        def enough(v: int) -> bool:
+            return sum(len(m) * (bisect.bisect_right(a, v, lo, hi) - lo) for a, lo, hi, m in slices) >= count
 
-        return values[bisect.bisect_left(range(len(values)), True, key=enough)]
+        level = None
+        for a, lo, hi, _ in slices:
+            j = bisect.bisect_left(range(lo, hi), True, key=lambda j: enough(a[j])) + lo
+            if j < hi and (level is None or a[j] < level):
+                level = a[j]
+        return level
 
     def _shape(self, tps, kinds: list[_Kind], blocks: list[int]) -> "_Shape":
-        """The split's stages (start, end, tp), each stage's time, and its blocks."""
-        stages, time, start, last = [], [], 0, len(tps) - 1
-        for s, (k, b) in enumerate(zip(kinds, blocks, strict=True)):
-            end = k.end[b] if s == 0 else start + b + (s == last)
-            stages.append((start, end, tps[s]))
-            time.append(k.time[b])
-            start = end
-        return tuple(stages), time, blocks
+        """The split's stages (start, end, tp), each stage's time, and its blocks: the first stage
+        holds the embedding and the last the head, one layer each beside their blocks."""
+        ends = list(itertools.accumulate(blocks))
+        ends = [e + 1 for e in ends]
+        ends[-1] += 1
+        stages = tuple(zip([0, *ends[:-1]], ends, tps, strict=True))
+        return stages, [k.time[b] for k, b in zip(kinds, blocks, strict=True)], blocks
 
     def _template(self, tps, runs, kinds: list[_Kind], shape: "_Shape", p2p: list[float]) -> Template:
         stages, time, blocks = shape
@@ -437,13 +460,25 @@ def generate_skeletal(
     max_runs: int,
 ) -> list[Template]:
     splitter = splitter_of(tables, num_layers)
-    packer = Packer(capacities)
     out = []
-    for tps, runs in skeletons(capacities, sorted(tables), max_runs, single_node):
-        sizes = [0] * (runs[-1] + 1)
-        for t, r in zip(tps, runs, strict=True):
-            sizes[r] += t
-        if packer.fits(tuple(sizes)):  # the pipeline fits on the nodes on its own
-            out += splitter.templates(tps, runs)
+    for tps, runs in fitting_skeletons(tuple(capacities), tuple(sorted(tables)), max_runs, single_node):
+        out += splitter.templates(tps, runs)
     splitter.forget_splits()
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def fitting_skeletons(
+    capacities: tuple[int, ...], tps: tuple[int, ...], max_runs: int, single_node: bool
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The skeletons of the family whose pipeline fits on the nodes on its own (every recompute mode
+    and micro-batch size of a solve asks for the same ones)."""
+    packer = Packer(capacities)
+    found = []
+    for stages, runs in skeletons(capacities, tps, max_runs, single_node):
+        sizes = [0] * (runs[-1] + 1)
+        for t, r in zip(stages, runs, strict=True):
+            sizes[r] += t
+        if packer.fits(tuple(sizes)):
+            found.append((stages, runs))
+    return tuple(found)
