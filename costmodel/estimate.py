@@ -523,6 +523,20 @@ class Estimate:
         )
 
 
+@dataclass(frozen=True)
+class _LayerTerms:
+    """What the cost model adds to one layer's profiled row in a stage (`CostModel._layer_terms`)."""
+
+    tp_comm_s: tuple[float, float]  # forward and backward TP collectives
+    core_fraction: float  # the share of its forward selective recomputation reruns
+    deferred: float  # the share of its backward a split backward defers (weight gradients)
+    held_bytes: int  # what a split backward holds from B to W
+    plain_bytes: int  # activations of the plain shard (what a profile measured)
+    mode_bytes: int  # activations in the stage's sequence parallelism and recompute mode
+    grad_bytes: int  # its parameters' gradient shard, made anew in backward
+    recompute_transient_bytes: int
+
+
 class CostModel:
     """Predictions for one profile on one cluster; stage costs are cached by (range, tp, mbs)."""
 
@@ -553,6 +567,7 @@ class CostModel:
         efficiency = analytic.kernel_efficiency(cluster.device.kind)["bandwidth"]
         self.streaming_bytes_per_s = self.memory_bandwidth_gbps * 1e9 * efficiency
         self._stage_cache: dict[tuple[int, int, int, int], StageCost] = {}
+        self._terms_cache: dict[tuple, _LayerTerms] = {}  # `_layer_terms`
 
     # ---- links ----------------------------------------------------------------------------------
     def link(self, collective: str, inter_node: bool) -> Link:
@@ -575,22 +590,21 @@ class CostModel:
 
     def _stage(self, start: int, end: int, tp: int, mbs: int, sp: bool, recompute: str) -> StageCost:
         prof, model = self.profile, self.model
-        seq, dtype, dt = prof.seq_len, prof.dtype, prof.bytes_per_param
+        seq, dt = prof.seq_len, prof.bytes_per_param
         shards = tp if sp else 1
         costs = [prof.cost(i, mbs, tp) for i in range(start, end)]
         hidden = mbs * seq * model.hidden_size * dt  # one whole activation
         tp_fwd = tp_bwd = 0.0
         recompute_fwd_s = 0.0  # compute a recomputation reruns in backward
         full_fwd_extra_s = 0.0  # what checkpointing adds to a measured block's forward
-        kind_of_device = DEVICE_KINDS.get(prof.device_kind)  # prices the math kernel's core share
-        priced_on = (dtype, kind_of_device) if kind_of_device is not None else None
         activations = transient = held = 0
         wgrad_s = 0.0
         for i, c in zip(range(start, end), costs, strict=True):
             kind = model.layer_kind(i)
-            fwd_comm, bwd_comm = self._tp_comm_s(kind, tp, sp, hidden, mbs * seq)
-            tp_fwd, tp_bwd = tp_fwd + fwd_comm, tp_bwd + bwd_comm
             mode = recompute if kind == "block" else "none"
+            terms = self._layer_terms(kind, tp, mbs, sp, mode)
+            fwd_comm, bwd_comm = terms.tp_comm_s
+            tp_fwd, tp_bwd = tp_fwd + fwd_comm, tp_bwd + bwd_comm
             if mode == "full":
                 if c.full_fwd_s is None:  # the rerun forward's time
                     recompute_fwd_s += c.fwd_s
@@ -599,26 +613,16 @@ class CostModel:
                     recompute_fwd_s += c.full_bwd_s - c.bwd_s
                 tp_bwd += fwd_comm
             elif mode == "selective":
-                recompute_fwd_s += c.fwd_s * analytic.attention_core_fraction(
-                    model, mbs, seq, tp, prof.attention, priced_on
-                )
-            args = (model, kind, mbs, seq, tp, dtype)
-            deferred = analytic.weight_gradient_fraction(*args, prof.attention, kind_of_device)
-            wgrad_s += deferred * c.bwd_s
-            held += analytic.deferred_gradient_bytes(*args)
+                recompute_fwd_s += c.fwd_s * terms.core_fraction
+            wgrad_s += terms.deferred * c.bwd_s
+            held += terms.held_bytes
             # the profile measured the plain shard; the formula scales it to the mode
-            plain = analytic.activation_bytes(*args, attention=prof.attention)
-            mine = analytic.activation_bytes(*args, sp, mode, prof.attention)
+            plain, mine = terms.plain_bytes, terms.mode_bytes
             activations += -(-c.activation_bytes * mine // plain) if plain else c.activation_bytes
             # autograd makes each parameter's gradient anew before adding it into the main gradient;
             # a measured or analytic transient has it already, a profile without one does not
-            layer_grads = 0 if c.transient_bytes else analytic.shard_param_count(model, kind, tp) * dt
-            transient = max(
-                transient,
-                c.transient_bytes
-                + analytic.recompute_transient_bytes(*args, sp, mode, prof.attention)
-                + layer_grads,
-            )
+            layer_grads = 0 if c.transient_bytes else terms.grad_bytes
+            transient = max(transient, c.transient_bytes + terms.recompute_transient_bytes + layer_grads)
         if any(model.layer_kind(i) == "block" for i in range(start, end)):
             transient += 2 * seq * model.head_dim * FP32_BYTES  # the stage's cached rotary tables
         params = sum(
@@ -659,6 +663,33 @@ class CostModel:
             wgrad_s=wgrad_s,
             held_bytes=held,
         )
+
+    def _layer_terms(self, kind: str, tp: int, mbs: int, sp: bool, mode: str) -> "_LayerTerms":
+        """What a layer of this kind adds to a stage beside its profiled row (the same for every
+        layer of the kind: computed once per model and shape, since a planner prices every range)."""
+        key = (kind, tp, mbs, sp, mode)
+        if key not in self._terms_cache:
+            prof, model = self.profile, self.model
+            seq, dtype = prof.seq_len, prof.dtype
+            kind_of_device = DEVICE_KINDS.get(prof.device_kind)  # prices the math kernel's core share
+            priced_on = (dtype, kind_of_device) if kind_of_device is not None else None
+            args = (model, kind, mbs, seq, tp, dtype)
+            hidden = mbs * seq * model.hidden_size * prof.bytes_per_param  # one whole activation
+            self._terms_cache[key] = _LayerTerms(
+                tp_comm_s=self._tp_comm_s(kind, tp, sp, hidden, mbs * seq),
+                core_fraction=(
+                    analytic.attention_core_fraction(model, mbs, seq, tp, prof.attention, priced_on)
+                    if mode == "selective"
+                    else 0.0
+                ),
+                deferred=analytic.weight_gradient_fraction(*args, prof.attention, kind_of_device),
+                held_bytes=analytic.deferred_gradient_bytes(*args),
+                plain_bytes=analytic.activation_bytes(*args, attention=prof.attention),
+                mode_bytes=analytic.activation_bytes(*args, sp, mode, prof.attention),
+                grad_bytes=analytic.shard_param_count(model, kind, tp) * prof.bytes_per_param,
+                recompute_transient_bytes=analytic.recompute_transient_bytes(*args, sp, mode, prof.attention),
+            )
+        return self._terms_cache[key]
 
     def _tp_comm_s(self, kind: str, tp: int, sp: bool, hidden: float, tokens: int) -> tuple[float, float]:
         """Forward and backward TP collective seconds of one layer (module docstring)."""

@@ -150,7 +150,7 @@ class Splitter:
         lines = self._lines(tps, runs)
 
         def p2p(stages: tuple) -> list[float]:  # each boundary's exchange for a split's stages
-            return [line[stage[1]] for line, stage in zip(lines, stages)]
+            return [line[stage[1]] for line, stage in zip(lines, stages, strict=False)]
 
         at = split.stages_at(split.lo)
         first = self._template(tps, runs, split.kinds, at, p2p(at[0]))
@@ -206,7 +206,9 @@ class Splitter:
         for tops in held:
             tops.sort()
         sums = [list(itertools.accumulate(tops, initial=0)) for tops in held]
-        ranges = [(k, k.lo, tops[-1] + 1, tops, total) for k, tops, total in zip(distinct, held, sums, strict=True)]
+        ranges = [
+            (k, k.lo, tops[-1] + 1, tops, total) for k, tops, total in zip(distinct, held, sums, strict=True)
+        ]
         times = sorted({t for k, lo, hi, _, _ in ranges for t in k.time[lo:hi]})
         n = self.n
 
@@ -235,9 +237,7 @@ class Splitter:
 
     def _lines(self, tps, runs) -> list[list[float]]:
         """Each boundary's exchange by the end of the stage in front of it, on the skeleton's runs."""
-        return [
-            self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]] for s in range(len(tps) - 1)
-        ]
+        return [self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]] for s in range(len(tps) - 1)]
 
     def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
         """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree.
