@@ -44,8 +44,11 @@ relaxation, which is what proves most answers: 0.33x and 0.43x CP-SAT time on ll
 8,8,8,7 and 8+7). Under an overhead cap, the same relaxations run once more per least hide window
 (`Master.coupled_counts`): a plan's sync is priced behind its pipelines' least window, so a template
 whose reduction is large cannot join one whose window is small; on llama2-7b 8,8,8,7 that settles 17
-of the 22 questions CP-SAT used to prove infeasible. Where a knapsack there reaches N, its pipelines
-are tried as a plan (`Master.witnessed_plan`: they must pack and keep the cap), which settles a
+of the 22 questions CP-SAT used to prove infeasible. Where the knapsack over GPUs reaches N, a
+second one also bounds the runs of more than half a node, one per node (`Master._knapsack`): on
+llama2-7b 8,8,8,7 it settles 5 of the 6 questions CP-SAT was left to prove infeasible, and its
+witnesses pack more often (10 CP-SAT questions instead of 17, 0.85x the master's time). Where a
+knapsack there reaches N, its pipelines are tried as a plan (`Master.witnessed_plan`: they must pack and keep the cap), which settles a
 question that has a plan without CP-SAT. The same relaxations settle most minimisations: S*(tau)
 is the overhead of a plan already found within tau when they admit no plan below it
 (`Master.below`, where a witness of less overhead that makes a plan is taken and the question asked
@@ -254,6 +257,10 @@ class Master:
         self.L = np.array([t.last_params for t in ts], dtype=np.int64)
         self.O = np.array([t.optimizer_s for t in ts])
         self.sizes = sorted({d for c in self.runs for d in c})
+        # a run of more than half the largest node takes a node of its own (`_knapsack`)
+        big_size = max(self.capacities, default=0) // 2 + 1
+        self.big_slots = sum(c >= big_size for c in self.capacities)
+        self.big = np.array([sum(r >= big_size for r in t.run_sizes) for t in ts], dtype=np.int64)
         self.scale: _Scale | None = None  # set_scale: solve_master sets it from the incumbent
         self.units = np.zeros((len(ts), 0), dtype=np.int64)
         self.patterns = [] if single_node else self._patterns()
@@ -484,42 +491,84 @@ class Master:
             )
             if not covers.any():
                 continue
-            # Knapsack per window: P pipelines on at most the GPUs; only the best capacity of each
-            # GPU count matters, and windows with the same bests ask the same question.
-            sizes = np.unique(width)
-            reach = np.where(admissible[covers], kk, -np.inf)  # sizes no admissible template has: none
-            best = np.stack([reach[:, width == g].max(axis=1) for g in sizes], axis=1)
-            best, first = np.unique(best, axis=0, return_index=True)
-            if best.size * P * (gpus + 1) > KNAPSACK_CELLS:  # too large to pay for itself: coverage only
+            # Knapsack per window: P pipelines on at most the GPUs (and the nodes, where runs of
+            # more than half a node could outnumber them); only the best capacity of each GPU count
+            # matters, and windows with the same bests ask the same question.
+            rows = np.flatnonzero(covers)
+            found = self._knapsack(admissible[rows], kk, width, np.zeros_like(width), 0, P)
+            if found is None:  # too large to pay for itself: coverage only
                 left.append(P)
                 continue
-            table = np.full((len(best), P + 1, gpus + 1), -np.inf)
-            table[:, 0, 0] = 0.0
-            for g, value in zip(sizes.tolist(), best.T, strict=True):  # no template has more GPUs
-                for c in range(1, P + 1):
-                    np.maximum(
-                        table[:, c, g:], table[:, c - 1, : gpus + 1 - g] + value[:, None], out=table[:, c, g:]
-                    )
-            reached = table[:, P].max(axis=1) >= self.N
-            if reached.any():
-                left.append(P)
-                if witnesses is not None:
-                    r = int(reached.argmax())
-                    window = windows[np.flatnonzero(covers)[first[r]]]
-                    members = idx[admissible[np.searchsorted(windows, window)]]
-                    witnesses[P] = _knapsack_items(table[r], sizes.tolist(), best[r], P), members
+            reached, table, first, items, best = found
+            if not reached.any():
+                continue
+            nodes = not self.single_node and P * int(self.big[idx].max()) > self.big_slots
+            if nodes:  # the GPUs leave P: the nodes the big runs take might not
+                found = self._knapsack(admissible[rows], kk, width, self.big[idx], self.big_slots, P)
+                if found is not None:
+                    reached, table, first, items, best = found
+                    if not reached.any():
+                        continue
+                nodes = found is not None
+            left.append(P)
+            if witnesses is not None:
+                r = int(reached.argmax())
+                window = windows[rows[first[r]]]
+                members = idx[admissible[np.searchsorted(windows, window)]]
+                named = [(g, b if nodes else None) for g, b in items]
+                witnesses[P] = _knapsack_items(table[r], named, best[r].tolist(), P), members
         return left
+
+    def _knapsack(
+        self, admissible: np.ndarray, kk: np.ndarray, width: np.ndarray, big: np.ndarray, slots: int, P: int
+    ):
+        """Per row of `admissible` (a least window's templates): can P of them, copies allowed,
+        reach N micro-batches on at most the cluster's GPUs and at most `slots` big runs?
+
+        A run of more than half the largest node takes a node of its own, so a plan holds at most
+        `big_slots` of them (the nodes that large; `big` counts each template's). On llama2-7b
+        8,8,8,7 that proves 5 of the 6 questions CP-SAT found infeasible: five pipelines that hold
+        the micro-batches on 31 GPUs need five runs of 5 GPUs or more, and there are four nodes.
+        With `slots` 0 (and `big` 0) it is the knapsack over GPUs alone. Only the best capacity of
+        each (GPUs, big runs) item matters, and rows with the same bests ask the same question.
+
+        Returns None when the table would exceed KNAPSACK_CELLS, else (reached per distinct row,
+        the tables [row, pipelines, big runs, GPUs] of the most capacity on exactly that many, the
+        first row of each distinct row, the (GPUs, big runs) items, each distinct row's capacity
+        per item)."""
+        gpus = sum(self.capacities)
+        items = sorted({(g, b) for g, b in zip(width.tolist(), big.tolist(), strict=True) if b <= slots})
+        reach = np.where(admissible, kk, -np.inf)  # items no admissible template has: none
+        best = np.stack([reach[:, (width == g) & (big == b)].max(axis=1) for g, b in items], axis=1)
+        best, first = np.unique(best, axis=0, return_index=True)
+        if best.size * P * (slots + 1) * (gpus + 1) > KNAPSACK_CELLS:
+            return None
+        table = np.full((len(best), P + 1, slots + 1, gpus + 1), -np.inf)
+        table[:, 0, 0, 0] = 0.0
+        for (g, b), value in zip(items, best.T, strict=True):
+            for c in range(1, P + 1):  # any number of copies
+                np.maximum(
+                    table[:, c, b:, g:],
+                    table[:, c - 1, : slots + 1 - b, : gpus + 1 - g] + value[:, None, None],
+                    out=table[:, c, b:, g:],
+                )
+        reached = table[:, P].reshape(len(best), -1).max(axis=1) >= self.N
+        return reached, table, first, items, best
 
     def witnessed_plan(self, k: np.ndarray, cap: float, witnesses: dict) -> list[Template] | None:
         """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: its pipelines,
-        largest first, each the template of its GPU count and capacity that still packs (best fit)
-        with the fewest stages, then the CP-SAT model's own tests (the stages fit the micro-batches,
-        the overhead in units is within the cap)."""
+        largest first, each the template of its GPU count, capacity (and big runs: `_knapsack`)
+        that still packs (best fit) with the fewest stages, then the CP-SAT model's own tests (the
+        stages fit the micro-batches, the overhead in units is within the cap)."""
         for P, (items, members) in sorted(witnesses.items()):
             packing, pipes = Packing(self.capacities), []
-            for g, value in sorted(items, reverse=True):
+            for g, value, big in sorted(items, reverse=True):
                 fit = sorted(
-                    (i for i in members if self.G[i] == g and k[i] == value),
+                    (
+                        i
+                        for i in members
+                        if self.G[i] == g and k[i] == value and (big is None or self.big[i] == big)
+                    ),
                     key=lambda i: (self.p[i], self.units[i, P - 1]),
                 )
                 for i in fit:
@@ -696,18 +745,20 @@ class Master:
         return status, value, pipes, patterns
 
 
-def _knapsack_items(table: np.ndarray, sizes: list[int], values: np.ndarray, count: int):
-    """(GPU count, capacity) of the `count` items behind a knapsack table's best entry (table[c, g]:
-    the most capacity of c items on exactly g GPUs, built from `values`)."""
-    g = int(np.argmax(table[count]))
-    items = []
+def _knapsack_items(table: np.ndarray, items: list[tuple[int, int | None]], values: list[float], count: int):
+    """(GPU count, capacity, big runs or None) of the `count` items behind a knapsack table's best
+    entry (table[c, b, g]: the most capacity of c items on exactly g GPUs and b big runs, built
+    from `values`; a knapsack over GPUs alone has one b)."""
+    b, g = np.unravel_index(int(np.argmax(table[count])), table[count].shape)
+    found = []
     for c in range(count, 0, -1):
-        for size, value in zip(sizes, values.tolist(), strict=True):
-            if size <= g and table[c - 1, g - size] + value == table[c, g]:
-                items.append((size, value))
-                g -= size
+        for (size, big), value in zip(items, values, strict=True):
+            runs = big or 0
+            if size <= g and runs <= b and table[c - 1, b - runs, g - size] + value == table[c, b, g]:
+                found.append((size, value, big))
+                g, b = g - size, b - runs
                 break
-    return items
+    return found
 
 
 def solve_master(

@@ -211,6 +211,47 @@ def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnes
     assert checked >= 50 and witnessed >= 10
 
 
+def test_the_node_bound_keeps_every_count_cp_sat_can_plan_and_rules_out_some_it_cannot():
+    """Runs of more than half a node take a node each (`Master._knapsack`): on random multi-node
+    instances every pipeline count CP-SAT can plan survives the bound, its witnesses are plans, and
+    it rules out counts that the knapsack over GPUs alone leaves to CP-SAT."""
+    rng = random.Random(7)
+    checked = ruled_out = witnessed = 0
+    for _ in range(200):
+        templates, sync, _ = _random_instance(rng, most=8)
+        capacities = rng.choice([[4, 4, 4, 3], [4, 4, 3], [6, 6, 5], [8, 8, 8, 7]])
+        master = Master(templates, capacities, rng.randint(4, 16), sync, single_node=False)
+        master.set_scale(_Scale(0.001))
+        k = master.capacity(rng.uniform(2, 8))
+        live = [int(i) for i in np.flatnonzero(k)]
+        cap = rng.uniform(100, 1200)
+        counts = master.possible_counts(k, live, cap) if live else []
+        if not counts:
+            continue
+        witnesses = {}
+        kept = master.coupled_counts(k, live, cap, counts, witnesses)
+        plan = master.witnessed_plan(k, cap, witnesses)
+        if plan is not None:
+            held = [int(k[master.templates.index(t)]) for t in plan]
+            assert sum(t.num_stages for t in plan) <= master.N <= sum(held)
+            assert master._packs(plan)
+            assert overhead_s(plan, sync) <= cap * 0.001 + 1e-9
+            witnessed += 1
+        big = master.big
+        master.big = np.zeros_like(big)  # the GPUs alone
+        gpus_only = master.coupled_counts(k, live, cap, counts)
+        master.big = big
+        assert set(kept) <= set(gpus_only)
+        for P in gpus_only:
+            status, *_ = master._model_at(k, live, cap, 10.0, False, [P])
+            assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.FEASIBLE)
+            if status != cp_model.INFEASIBLE:
+                assert P in kept, (P, kept)
+            ruled_out += P not in kept
+            checked += 1
+    assert checked >= 50 and ruled_out >= 5 and witnessed >= 10, (checked, ruled_out, witnessed)
+
+
 def test_minimisations_the_relaxations_settle_skip_cp_sat_and_change_no_answer(monkeypatch):
     """At each step the staircase needs S*(tau), the least overhead at tau. Where no relaxation
     admits less than a plan already found (`Master.below`), that plan's overhead is S* and CP-SAT
