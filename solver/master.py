@@ -49,11 +49,12 @@ second one also bounds the runs of more than half a node, one per node (`Master.
 llama2-7b 8,8,8,7 it settles 5 of the 6 questions CP-SAT was left to prove infeasible, and its
 witnesses pack more often (10 CP-SAT questions instead of 17, 0.85x the master's time). Where a
 knapsack there reaches N, its pipelines are tried as a plan (`Master.witnessed_plan`: they must
-pack and keep the cap), which settles a question that has a plan without CP-SAT. The same relaxations settle most minimisations: S*(tau)
-is the overhead of a plan already found within tau when they admit no plan below it
-(`Master.below`, where a witness of less overhead that makes a plan is taken and the question asked
-again); else CP-SAT minimises among the plans below it only (on llama2-7b 8,8,8,7 they were tight
-at every one of the 7 minimisations, and settled 2). The overhead floor per tau
+pack and keep the cap), which settles a question that has a plan without CP-SAT. The same
+relaxations settle most minimisations: S*(tau) is the overhead of a plan already found within
+tau when they admit no plan below it (`Master.below`, where a witness of less overhead that makes
+a plan is taken and the question asked again); else CP-SAT minimises among the plans below it only
+(on llama2-7b 8,8,8,7 they were tight at every one of the 7 minimisations, and settled 2). The
+overhead floor per tau
 (`Master.least_overhead`) keeps the bisection to candidates that could still beat the best plan.
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
