@@ -54,7 +54,7 @@ _SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=16)
 # recompute modes ask 7,629 splits of which 3,610 differ.
 _PARAMS: dict[tuple, int] = {}  # the stages' parameters of a splitter -> its token
 _TOKENS = itertools.count()
-_BLOCKS: dict[tuple, list[int]] = {}
+_BLOCKS: dict[tuple, tuple[tuple, list[int]]] = {}  # -> (stages, blocks)
 _SHARED_LIMIT = 200_000  # entries of either before both are cleared
 
 
@@ -243,7 +243,8 @@ class Splitter:
         def shape(limit: float) -> _Shape:
             cap = cover(limit)
             caps = [min(top, cap[i]) for i, top in zip(which, mem, strict=True)]
-            return self._shape(tps, kinds, self._blocks(tps, kinds, caps))
+            stages, blocks = self._blocks(tps, kinds, caps)
+            return stages, [k.time[b] for k, b in zip(kinds, blocks, strict=True)], blocks
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
         lo = bisect.bisect_left(
@@ -255,8 +256,9 @@ class Splitter:
         """Each boundary's exchange by the end of the stage in front of it, on the skeleton's runs."""
         return [self.exchange[tps[s], tps[s + 1], runs[s] != runs[s + 1]] for s in range(len(tps) - 1)]
 
-    def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> list[int]:
-        """Least-A split within per-stage caps: cheapest blocks first, evenly within a TP degree.
+    def _blocks(self, tps, kinds: list[_Kind], caps: list[int]) -> tuple[tuple, list[int]]:
+        """The stages and blocks of the least-A split within per-stage caps: cheapest blocks first,
+        evenly within a TP degree.
 
         Within one TP degree a block costs the same time anywhere, so each next block goes to the
         stage that holds the fewest parameters with it (the earlier stage of equals): the blocks a
@@ -268,7 +270,8 @@ class Splitter:
         order, degrees = self._degrees(tps)
         key = (self._params, order, tps, tuple(caps))
         if key not in _BLOCKS:
-            _BLOCKS[key] = self._fill(kinds, caps, degrees)
+            blocks = self._fill(kinds, caps, degrees)
+            _BLOCKS[key] = self._stages(tps, blocks), blocks
         return _BLOCKS[key]
 
     def _fill(self, kinds: list[_Kind], caps: list[int], degrees: list[list[int]]) -> list[int]:
@@ -334,14 +337,13 @@ class Splitter:
                 level = a[j]
         return level
 
-    def _shape(self, tps, kinds: list[_Kind], blocks: list[int]) -> "_Shape":
-        """The split's stages (start, end, tp), each stage's time, and its blocks: the first stage
-        holds the embedding and the last the head, one layer each beside their blocks."""
-        ends = list(itertools.accumulate(blocks))
-        ends = [e + 1 for e in ends]
+    @staticmethod
+    def _stages(tps, blocks: list[int]) -> tuple[tuple[int, int, int], ...]:
+        """A split's stages (start, end, tp): the first stage holds the embedding and the last the
+        head, one layer each beside their blocks."""
+        ends = [e + 1 for e in itertools.accumulate(blocks)]
         ends[-1] += 1
-        stages = tuple(zip([0, *ends[:-1]], ends, tps, strict=True))
-        return stages, [k.time[b] for k, b in zip(kinds, blocks, strict=True)], blocks
+        return tuple(zip([0, *ends[:-1]], ends, tps, strict=True))
 
     def _template(self, tps, runs, kinds: list[_Kind], shape: "_Shape", p2p: list[float]) -> Template:
         stages, time, blocks = shape
