@@ -481,6 +481,8 @@ class Master:
             windows = np.unique(hide[ok])
             if not len(windows):
                 continue
+            if not math.isfinite(cap):  # the least window admits every template the others do
+                windows = windows[:1]
             # admissible[w, t]: template t is admissible where the least window is windows[w]
             admissible = ok & (low[None, :] <= windows[:, None]) & (hide[None, :] >= windows[:, None])
             held = np.where(admissible, kk, 0.0)
@@ -557,40 +559,57 @@ class Master:
         return reached, table, first, items, best
 
     def witnessed_plan(self, k: np.ndarray, cap: float, witnesses: dict) -> list[Template] | None:
-        """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: its pipelines,
-        largest first, each the template of its GPU count, capacity (and big runs: `_knapsack`)
-        that still packs (best fit) with the fewest stages, then the CP-SAT model's own tests (the
-        stages fit the micro-batches, the overhead in units is within the cap)."""
+        """A plan within cap from a knapsack witness of `coupled_counts`, if one packs: its pipelines
+        one by one, each the template of its GPU count, capacity (and big runs: `_knapsack`) that
+        still packs (best fit) with the fewest stages, then the CP-SAT model's own tests (the
+        stages fit the micro-batches, the overhead in units is within the cap). The pipelines go
+        largest first, and where that leaves no room, those with runs of more than half a node
+        first (a large pipeline spread over small runs can take the nodes they need)."""
         for P, (items, members) in sorted(witnesses.items()):
-            packing, pipes = Packing(self.capacities), []
-            for g, value, big in sorted(items, reverse=True):
-                fit = sorted(
-                    (
-                        i
-                        for i in members
-                        if self.G[i] == g and k[i] == value and (big is None or self.big[i] == big)
-                    ),
-                    key=lambda i: (self.p[i], self.units[i, P - 1]),
-                )
-                for i in fit:
-                    placed = packing if self.single_node else packing.add(self.templates[i].run_sizes)
-                    if placed is not None:
-                        packing = placed
-                        pipes.append(i)
-                        break
-                else:
-                    break  # no template of this size packs beside the others
-            if len(pipes) < P or sum(int(self.p[i]) for i in pipes) > self.N:
-                continue
-            used = sorted(set(pipes))
-            sync = max(
-                max(int(self.floor_units[i, P - 1]) for i in used),
-                max(int(self.reduce_units[i, P - 1]) for i in used)
-                - min(int(self.hide_units[i]) for i in used),
-            )
-            if sync + max(int(self.optimizer_units[i]) for i in used) <= cap:
-                return [self.templates[i] for i in pipes]
+            orders = [sorted(items, reverse=True)]
+            if any(big for _, _, big in items):
+                orders.append(sorted(items, key=lambda item: (item[2], item[0], item[1]), reverse=True))
+            for order in orders:
+                pipes = self._witness_pipes(k, P, order, members)
+                if pipes is not None and self._within(pipes, P, cap):
+                    plan = [self.templates[i] for i in pipes]
+                    if self.single_node or _pack_pipelines(plan, self.capacities) is not None:
+                        return plan
         return None
+
+    def _witness_pipes(self, k: np.ndarray, P: int, items: list, members) -> list[int] | None:
+        """The templates `witnessed_plan` picks for the knapsack items in this order, or None."""
+        packing, pipes = Packing(self.capacities), []
+        for g, value, big in items:
+            fit = sorted(
+                (
+                    i
+                    for i in members
+                    if self.G[i] == g and k[i] == value and (big is None or self.big[i] == big)
+                ),
+                key=lambda i: (self.p[i], self.units[i, P - 1]),
+            )
+            for i in fit:
+                placed = packing if self.single_node else packing.add(self.templates[i].run_sizes)
+                if placed is not None:
+                    packing = placed
+                    pipes.append(i)
+                    break
+            else:
+                return None  # no template of this kind packs beside the others
+        return pipes if len(pipes) == P else None
+
+    def _within(self, pipes: list[int], P: int, cap: float) -> bool:
+        """The CP-SAT model's own tests of P pipelines of these templates: their stages fit the
+        micro-batches and their overhead in units is within the cap."""
+        if sum(int(self.p[i]) for i in pipes) > self.N:
+            return False
+        used = sorted(set(pipes))
+        sync = max(
+            max(int(self.floor_units[i, P - 1]) for i in used),
+            max(int(self.reduce_units[i, P - 1]) for i in used) - min(int(self.hide_units[i]) for i in used),
+        )
+        return sync + max(int(self.optimizer_units[i]) for i in used) <= cap
 
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
         """Within tau a template is only its capacity k, stages p, W, last-layer parameters, O, hide
@@ -617,7 +636,7 @@ class Master:
         live = list(np.flatnonzero(k))
         counts = self.possible_counts(k, live, cap) if live else []
         plan = None
-        if counts and math.isfinite(cap):
+        if counts:  # with no cap the windows couple nothing, but the nodes and the witnesses count
             witnesses: dict = {}
             counts = self.coupled_counts(k, live, cap, counts, witnesses if witness else None)
             plan = self.witnessed_plan(k, cap, witnesses) if witnesses else None
@@ -908,19 +927,20 @@ def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | No
     return best
 
 
-def _pack_pipelines(pipes: Sequence[Template], capacities: Sequence[int]) -> list[list[int]]:
-    """Runs per node of a plan found packed: all runs at once, largest first (best fit), or else
-    pipeline by pipeline, the most GPUs first, as `Master.witnessed_plan` packed its witness (the
-    two orders can differ in what fits)."""
+def _pack_pipelines(pipes: Sequence[Template], capacities: Sequence[int]) -> list[list[int]] | None:
+    """Runs per node of a plan found packed, or None: all runs at once, largest first (best fit),
+    or else pipeline by pipeline in the orders `Master.witnessed_plan` tries (the most GPUs first;
+    the largest run first), as it packed its witness (the orders can differ in what fits)."""
     placed = pack_best_fit([r for t in pipes for r in t.run_sizes], capacities)
     if placed is not None:
         return placed
-    packing: Packing | None = Packing(capacities)
-    for t in sorted(pipes, key=lambda t: t.num_gpus, reverse=True):
-        packing = packing.add(t.run_sizes) if packing is not None else None
-    if packing is None:
-        raise AssertionError("a plan the master found does not pack onto the nodes")
-    return packing.placed()
+    for order in (lambda t: t.num_gpus, lambda t: (max(t.run_sizes), t.num_gpus)):
+        packing: Packing | None = Packing(capacities)
+        for t in sorted(pipes, key=order, reverse=True):
+            packing = packing.add(t.run_sizes) if packing is not None else None
+        if packing is not None:
+            return packing.placed()
+    return None
 
 
 def _result(status, pipes, N, master: Master, patterns, bound) -> MasterResult:
@@ -930,6 +950,8 @@ def _result(status, pipes, N, master: Master, patterns, bound) -> MasterResult:
         nodes = ((max(master.capacities), tuple(r for t in pipes for r in t.run_sizes)),)
     elif patterns is None:
         placed = _pack_pipelines(pipes, master.capacities)
+        if placed is None:
+            raise AssertionError("a plan the master found does not pack onto the nodes")
         nodes = tuple((c, tuple(runs)) for c, runs in zip(master.capacities, placed, strict=True) if runs)
     else:
         nodes = tuple((c, q) for c, q, count in patterns for _ in range(count))
