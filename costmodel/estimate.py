@@ -625,9 +625,8 @@ class CostModel:
             transient = max(transient, c.transient_bytes + terms.recompute_transient_bytes + layer_grads)
         if any(model.layer_kind(i) == "block" for i in range(start, end)):
             transient += 2 * seq * model.head_dim * FP32_BYTES  # the stage's cached rotary tables
-        params = sum(
-            shard_box(spec, tp, 0).numel for spec in stage_params(model, start, end)
-        )  # TP rank 0 holds the largest shard of every uneven split
+        specs = stage_params(model, start, end)
+        params = sum(shard_box(spec, tp, 0).numel for spec in specs)  # rank 0: the largest shards
         measured = [c.optimizer_s for c in costs]
         if all(t is not None for t in measured):
             optimizer_s = sum(measured)
@@ -653,7 +652,7 @@ class CostModel:
             boundary_bytes=output_bytes,
             optimizer_s=optimizer_s,
             input_bytes=input_bytes,
-            param_tensors=len(stage_params(model, start, end)),
+            param_tensors=len(specs),
             input_kept_bytes=0 if first_keeps_input else input_bytes,
             output_kept_bytes=output_bytes,
             dtype_bytes=dt,
