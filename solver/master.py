@@ -541,6 +541,8 @@ class Master:
         per item)."""
         gpus = sum(self.capacities)
         items = sorted({(g, b) for g, b in zip(width.tolist(), big.tolist(), strict=True) if b <= slots})
+        if slots and len(admissible) * len(items) * P * (slots + 1) * (gpus + 1) > KNAPSACK_CELLS:
+            return None  # (before the rows are made distinct: the nodes' bound is only worth a little)
         reach = np.where(admissible, kk, -np.inf)  # items no admissible template has: none
         best = np.stack([reach[:, (width == g) & (big == b)].max(axis=1) for g, b in items], axis=1)
         best, first = np.unique(best, axis=0, return_index=True)
@@ -579,17 +581,13 @@ class Master:
 
     def _witness_pipes(self, k: np.ndarray, P: int, items: list, members) -> list[int] | None:
         """The templates `witnessed_plan` picks for the knapsack items in this order, or None."""
+        kinds: dict[tuple, list[int]] = {}  # (GPUs, capacity, big runs or None) -> fewest stages first
+        for i in sorted(members, key=lambda i: (self.p[i], self.units[i, P - 1])):
+            kinds.setdefault((int(self.G[i]), int(k[i]), int(self.big[i])), []).append(i)
+            kinds.setdefault((int(self.G[i]), int(k[i]), None), []).append(i)
         packing, pipes = Packing(self.capacities), []
         for g, value, big in items:
-            fit = sorted(
-                (
-                    i
-                    for i in members
-                    if self.G[i] == g and k[i] == value and (big is None or self.big[i] == big)
-                ),
-                key=lambda i: (self.p[i], self.units[i, P - 1]),
-            )
-            for i in fit:
+            for i in kinds.get((g, int(value), big), ()):
                 placed = packing if self.single_node else packing.add(self.templates[i].run_sizes)
                 if placed is not None:
                     packing = placed
@@ -636,7 +634,10 @@ class Master:
         live = list(np.flatnonzero(k))
         counts = self.possible_counts(k, live, cap) if live else []
         plan = None
-        if counts:  # with no cap the windows couple nothing, but the nodes and the witnesses count
+        # With no cap the windows couple nothing, but the nodes and the witnesses count: where the
+        # knapsacks of every count are small (on 987 GPUs they took 1 s and settled nothing).
+        small = len(counts) * max(counts, default=0) * (sum(self.capacities) + 1) * len(self.sizes)
+        if counts and (math.isfinite(cap) or small <= KNAPSACK_CELLS):
             witnesses: dict = {}
             counts = self.coupled_counts(k, live, cap, counts, witnesses if witness else None)
             plan = self.witnessed_plan(k, cap, witnesses) if witnesses else None
