@@ -51,11 +51,13 @@ DEEP = 2  # pipelines of one TP group per whole node go up to this many times ma
 _SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=16)
 # Block splits shared by splitters whose stages hold the same parameters (`Splitter._blocks`): by
 # (parameters' token, TP degrees cheapest first, skeleton, caps). On llama2-7b 8,8,8,7 the three
-# recompute modes ask 7,629 splits of which 3,610 differ.
+# recompute modes ask 7,629 splits of which 3,610 differ. On llama2-70b the modes share none (their
+# memory caps differ) and a solve's 41,000 splits would keep 76 MB: the memo is cleared at
+# BLOCKS_LIMIT entries, room for a 7b-class solve's.
 _PARAMS: dict[tuple, int] = {}  # the stages' parameters of a splitter -> its token
 _TOKENS = itertools.count()
 _BLOCKS: dict[tuple, tuple[tuple, list[int]]] = {}  # -> (stages, blocks)
-_SHARED_LIMIT = 200_000  # entries of either before both are cleared
+BLOCKS_LIMIT = 16_384
 
 
 def splitter_of(tables: dict[int, StageTable], num_layers: int) -> "Splitter":
@@ -79,10 +81,8 @@ def block_uniform(profile: ModelProfile) -> bool:
 
 @dataclass(frozen=True)
 class _Kind:
-    """A stage shape at one TP degree, by number of blocks b: where its layers start and end."""
+    """A stage shape at one TP degree (first, middle or last), by number of blocks b."""
 
-    start: list[int]  # first layer index for b blocks
-    end: list[int]
     time: list[float]
     params: list[int]
     optimizer: list[float]
@@ -110,8 +110,6 @@ class Splitter:
             for kind, (starts, ends, lo) in shapes.items():
                 fits = [tab.max_in_flight[s][e] if e > s else -1 for s, e in zip(starts, ends, strict=True)]
                 self.kinds[tp, kind] = _Kind(
-                    starts,
-                    ends,
                     [tab.time_s[s][e] if e > s else 0.0 for s, e in zip(starts, ends, strict=True)],
                     [tab.params[s][e] for s, e in zip(starts, ends, strict=True)],
                     [tab.optimizer_s[s][e] for s, e in zip(starts, ends, strict=True)],
@@ -135,10 +133,9 @@ class Splitter:
         # the block splits depend on the stages' parameters, not on time: splitters of tables with
         # equal parameters (recompute modes of one solve) share them (`_blocks`)
         params = tuple((tp, kind, tuple(k.params)) for (tp, kind), k in sorted(self.kinds.items()))
-        if len(_PARAMS) >= _SHARED_LIMIT or len(_BLOCKS) >= _SHARED_LIMIT:
-            _PARAMS.clear()
-            _BLOCKS.clear()
         if params not in _PARAMS:
+            if len(_PARAMS) >= _SPLITTERS.limit:  # as many parameter sets as splitters are kept
+                _PARAMS.clear()
             _PARAMS[params] = next(_TOKENS)  # never reused, so a cleared token cannot alias
         self._params = _PARAMS[params]
 
@@ -270,6 +267,8 @@ class Splitter:
         order, degrees = self._degrees(tps)
         key = (self._params, order, tps, tuple(caps))
         if key not in _BLOCKS:
+            if len(_BLOCKS) >= BLOCKS_LIMIT:
+                _BLOCKS.clear()
             blocks = self._fill(kinds, caps, degrees)
             _BLOCKS[key] = self._stages(tps, blocks), blocks
         return _BLOCKS[key]
