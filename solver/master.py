@@ -577,10 +577,13 @@ class Master:
                 orders.append(sorted(items, key=lambda item: (item[2], item[0], item[1]), reverse=True))
             for order in orders:
                 pipes = self._witness_pipes(k, P, order, members)
-                if pipes is not None and self._within(pipes, P, cap):
-                    plan = [self.templates[i] for i in pipes]
-                    if self.single_node or _pack_pipelines(plan, self.capacities) is not None:
-                        return plan
+                if pipes is None or sum(int(self.p[i]) for i in pipes) > self.N:
+                    continue
+                plan = [self.templates[i] for i in pipes]
+                if self.overhead_units(plan) <= cap and (
+                    self.single_node or _pack_pipelines(plan, self.capacities) is not None
+                ):
+                    return plan
         return None
 
     def _witness_pipes(self, k: np.ndarray, P: int, items: list, members) -> list[int] | None:
@@ -600,18 +603,6 @@ class Master:
             else:
                 return None  # no template of this kind packs beside the others
         return pipes if len(pipes) == P else None
-
-    def _within(self, pipes: list[int], P: int, cap: float) -> bool:
-        """The CP-SAT model's own tests of P pipelines of these templates: their stages fit the
-        micro-batches and their overhead in units is within the cap."""
-        if sum(int(self.p[i]) for i in pipes) > self.N:
-            return False
-        used = sorted(set(pipes))
-        sync = max(
-            max(int(self.floor_units[i, P - 1]) for i in used),
-            max(int(self.reduce_units[i, P - 1]) for i in used) - min(int(self.hide_units[i]) for i in used),
-        )
-        return sync + max(int(self.optimizer_units[i]) for i in used) <= cap
 
     def _undominated(self, k: np.ndarray, live: list[int]) -> list[int]:
         """Within tau a template is only its capacity k, stages p, W, last-layer parameters, O, hide
