@@ -276,7 +276,7 @@ def hide_window_s(
     computing them all), s G_s after that B, while the cool-down in front runs the input gradients
     alone and then stage 0's last W: max(0, sum_{s' < s} (B_s' - G_s' + c_s') + G_0 [s > 0] - s G_s)."""
     if wgrad_s is None:  # the cool-down in front of each stage, summed front to back
-        steps = map(operator.add, bwd_s, [*p2p_s[: len(bwd_s)], *[0.0] * (len(bwd_s) - len(p2p_s))])
+        steps = map(operator.add, bwd_s, itertools.chain(p2p_s, itertools.repeat(0.0)))
         cooling = itertools.accumulate(steps, initial=0.0)
         return min(
             (b * (1 - 1 / max(1, k)) + c for b, k, c in zip(bwd_s, buckets, cooling, strict=False)),
