@@ -53,6 +53,8 @@ from costmodel.sharding import GATHER_WINDOW, Bucket, Rows, device_buckets
 from runtime.distributed import ProcessGroups, all_gather_single, reduce_scatter_single
 from runtime.stage import box_slices
 
+CPU_NORM_CHUNK = 1 << 14  # elements per CPU norm (`square_sum`)
+
 
 @dataclass
 class SyncStats:
@@ -342,8 +344,18 @@ def _ring_reduce_scatter(flat: torch.Tensor, size: int, position: int, ranks: li
 
 def square_sum(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """Sum of the squares of every element of `tensors` (fp32), by one `torch._foreach_norm` (no
-    squared copy of any tensor)."""
+    squared copy of any tensor), the per-tensor norms squared and added in fp64.
+
+    On CPU each tensor is normed in views of `CPU_NORM_CHUNK` elements: torch's CPU norm kernel adds
+    a long tensor's squares in fp32 one after another, so its error grows with the length (-1.5e-5
+    relative on 1.2M elements, -4.6e-5 on 2.4M, against 4e-8 in chunks of 16,384). The buckets of two
+    layouts differ in length, so unchunked the clipping coefficient of one model differed by 1.2e-5
+    between a pipeline and one process, and AdamW turned that into a 1.2e-5 weight difference where
+    a gradient element is ~1e-8 (below its eps). CUDA's kernel reduces by a tree and is not chunked.
+    """
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
+    if torch.device(device).type == "cpu":
+        tensors = [piece for t in tensors for piece in t.reshape(-1).split(CPU_NORM_CHUNK)]
     norms = torch._foreach_norm(tensors, 2)
-    return torch.stack(norms).float().pow(2).sum()
+    return torch.stack(norms).double().pow(2).sum().float()

@@ -17,6 +17,7 @@ from costmodel.layout import contributes, device_pieces, sync_buckets
 from costmodel.plan import OptimizerLayout
 from costmodel.sharding import buckets
 from runtime.data import Prefetcher, SyntheticTokens, TokenFile, fetch, pipeline_samples
+from runtime.dist_optim import square_sum
 from runtime.distributed import init_distributed
 from runtime.model import build_model
 from runtime.optim import OptimConfig
@@ -127,6 +128,15 @@ def test_every_gradient_element_is_counted_once_for_the_norm_and_kept_once_shard
                     if spec.name == name:
                         full[box_slices(box)] += 1
             assert torch.equal(count, full), name
+
+
+def test_the_squared_norm_is_as_exact_for_one_long_bucket_as_for_many_short_ones():
+    """The clipping coefficient must not depend on how the plan cuts the gradients into buckets."""
+    grads = torch.randn(2_436_480, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = grads.double().pow(2).sum().item()
+    whole = square_sum([grads], "cpu").item()
+    pieces = square_sum(list(grads.split(5_000)), "cpu").item()
+    assert abs(whole - exact) / exact < 1e-6 and abs(pieces - exact) / exact < 1e-6, (whole, pieces, exact)
 
 
 @pytest.mark.parametrize("name", list(PLANS))
