@@ -36,6 +36,13 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # data pointer -> (weak ref, bytes)
         self.current = self.peak = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: nothing runs under torch.compile here. By default torch wraps `__torch_dispatch__` in
+        `torch._disable_dynamo`, whose first call imports torch._dynamo (1.6 s of CPU per process on
+        a 2-core machine), which every worker would pay on its first step (runtime/optim.py)."""
+        return False
+
     def _sweep(self) -> None:
         for ptr in [p for p, (ref, _) in self._live.items() if ref.expired()]:
             self.current -= self._live.pop(ptr)[1]

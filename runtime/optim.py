@@ -1,7 +1,15 @@
 """Optimiser settings shared by the distributed runtime and the single-process reference.
 
-AdamW (Loshchilov & Hutter 2019) from torch, fp32 state, on each rank's local shards: its update is
-element-wise, so shards updated with the full-batch gradient equal slices of the full update.
+AdamW (Loshchilov & Hutter 2019) by torch's fused kernel, fp32 state, on each rank's local shards: its
+update is element-wise, so shards updated with the full-batch gradient equal slices of the full update.
+
+`AdamW` below calls the kernel that `torch.optim.AdamW(fused=True)` runs (`torch._fused_adamw_`), with
+the same step counting, so its updates are that class's bit for bit (tests/test_runtime_units.py), but
+it is not a `torch.optim.Optimizer`: that class's methods are wrapped in `torch._disable_dynamo`, whose
+first call imports `torch._dynamo`, 1.6 s of CPU per process here. Every worker pays that at start,
+and so does every restart of a recovery; the runtime needs none of what the class adds (hooks,
+`state_dict`, closures, compile support). The single-process reference (runtime/reference.py) keeps
+torch's class, so the parity tests compare the two.
 Weight decay applies to matrices (embeddings, projections), not to norm weights (GPT-2 / Llama
 practice). The learning rate warms up linearly, then follows a half cosine down to `min_lr` at
 `decay_steps` (Loshchilov & Hutter 2017, SGDR; the schedule of nanoGPT and Llama). Gradients are
@@ -85,39 +93,94 @@ class OptimConfig:
         return cls(**data)
 
 
-def build_optimizer(
-    params: dict[str, torch.nn.Parameter] | list[torch.nn.Parameter], config: OptimConfig
-) -> torch.optim.AdamW:
-    """AdamW over parameters (named, or rows of them: runtime/dist_optim.py keeps a matrix's rows
-    2-D and a norm's 1-D): decay for matrices, none for norm weights (1-D).
+class AdamW:
+    """AdamW over parameter groups by torch's fused kernel (see the module docstring); `state` and
+    `param_groups` have torch.optim's layout, the state made up front (zero moments, step 0) so a
+    checkpoint at step 0 has it."""
 
-    torch's fused implementation (one kernel over all tensors, on CUDA and on CPU): the for-each and
-    per-tensor ones make parameter-sized temporaries (the square root of the second moment, the
-    update), which would be a step's memory peak on a stage of few activations."""
-    params = list(params.values()) if isinstance(params, dict) else list(params)
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
+        self.param_groups = [
+            {
+                "params": list(g["params"]),
+                "weight_decay": g["weight_decay"],
+                "lr": lr,
+                "betas": betas,
+                "eps": eps,
+            }
+            for g in groups
+        ]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {
+            p: {
+                "step": torch.tensor(0.0, device=p.device),  # the fused kernel reads it where it runs
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            for g in self.param_groups
+            for p in g["params"]
+        }
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every parameter's gradient, or with `set_to_none=False` zero it in place."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if set_to_none:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+        elif grads:
+            torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient: per group, per device and dtype, the step
+        counts advanced by one and one fused kernel over the tensors (torch.optim.AdamW's order)."""
+        for group in self.param_groups:
+            batches: dict[tuple, tuple[list, ...]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+                lists = batches.setdefault((p.device, p.dtype), ([], [], [], [], []))
+                for into, tensor in zip(lists, tensors, strict=True):
+                    into.append(tensor)
+            beta1, beta2 = group["betas"]
+            for params, grads, exp_avgs, exp_avg_sqs, steps in batches.values():
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
+                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False,
+                )  # fmt: skip
+
+
+def decay_groups(params: list[torch.Tensor], config: OptimConfig) -> list[dict]:
+    """Decay for matrices, none for norm weights (1-D); empty groups left out."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        fused=True,
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    params: dict[str, torch.nn.Parameter] | list[torch.nn.Parameter], config: OptimConfig
+) -> AdamW:
+    """AdamW over parameters (named, or rows of them: runtime/dist_optim.py keeps a matrix's rows
+    2-D and a norm's 1-D), groups by `decay_groups`.
+
+    torch's fused implementation (one kernel over all tensors, on CUDA and on CPU): the for-each and
+    per-tensor ones make parameter-sized temporaries (the square root of the second moment, the
+    update), which would be a step's memory peak on a stage of few activations."""
+    params = list(params.values()) if isinstance(params, dict) else list(params)
+    return AdamW(
+        decay_groups(params, config), lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps
     )
-    for p in params:  # AdamW's own zero state, made up front so a checkpoint at step 0 has it
-        optimizer.state[p] = {
-            "step": torch.tensor(0.0, device=p.device),  # the fused kernel reads it where it runs
-            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-        }
-    return optimizer
 
 
-def configure(optimizer: torch.optim.Optimizer, config: OptimConfig) -> None:
+def configure(optimizer: AdamW, config: OptimConfig) -> None:
     """Give a built optimizer `config`'s decay, betas and eps (the matrices' group decays, as in
     `build_optimizer`): for a schedule that changed after the optimizer was built (a resume)."""
     for group in optimizer.param_groups:
@@ -126,6 +189,6 @@ def configure(optimizer: torch.optim.Optimizer, config: OptimConfig) -> None:
         group["betas"], group["eps"] = (config.beta1, config.beta2), config.eps
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: AdamW | torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -1,6 +1,7 @@
 """The slow, obviously correct reference: the whole model in one process, the whole global batch at once.
 
-Same model (`build_model`), same initial weights, same samples, same loss normalisation, same AdamW,
+Same model (`build_model`), same initial weights, same samples, same loss normalisation, AdamW by
+torch's own class (`torch.optim.AdamW`, fused: the kernel the runtime's `runtime.optim.AdamW` calls),
 clipping (torch's `clip_grad_norm_`, an implementation independent of the runtime's sharded norm)
 and learning-rate schedule, same mixed precision (runtime/precision.py: the model in the plan's dtype,
 fp32 masters). Every plan must reproduce its losses and final weights (docs/DESIGN.md invariant 1);
@@ -14,7 +15,7 @@ import torch
 from costmodel.config import ModelConfig
 from runtime.data import fetch, open_source
 from runtime.model import build_model, cross_entropy_sum
-from runtime.optim import OptimConfig, build_optimizer, set_lr
+from runtime.optim import OptimConfig, decay_groups, set_lr
 from runtime.precision import MasterWeights
 
 
@@ -34,7 +35,9 @@ def train_reference(
     model = build_model(config, seed=seed)
     precision = MasterWeights(model, dtype)
     params = precision.masters
-    optimizer = build_optimizer(params, optim)
+    groups = decay_groups(list(params.values()), optim)
+    betas = (optim.beta1, optim.beta2)
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps, fused=True)
     source = open_source(data, config.vocab_size, seq_len, seed)
     losses = []
     for step in range(steps):

@@ -20,7 +20,7 @@ from runtime.data import Prefetcher, SyntheticTokens, TokenFile, fetch, pipeline
 from runtime.dist_optim import square_sum
 from runtime.distributed import init_distributed
 from runtime.model import build_model
-from runtime.optim import OptimConfig
+from runtime.optim import OptimConfig, build_optimizer, decay_groups, set_lr
 from runtime.stage import StageModule, box_slices
 from runtime.state import restore_training_state, training_state
 from runtime.trainer import Trainer
@@ -91,6 +91,41 @@ def test_prefetcher_serves_steps_in_order_and_restarts_at_a_new_cursor():
 
 
 # ---- optimiser ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_runtimes_adamw_updates_as_torchs_fused_adamw_bit_for_bit(dtype):
+    """runtime.optim.AdamW calls the kernel of torch.optim.AdamW(fused=True) without the class: the
+    same weights and moments after steps with decay and without, a changed learning rate, and a
+    parameter without a gradient left alone."""
+    config = OptimConfig(lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(7, 5), (5,), (3, 4), (4,)]
+    ours = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    mine = build_optimizer(ours, config)
+    groups = decay_groups(theirs, config)
+    torchs = torch.optim.AdamW(
+        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, fused=True
+    )
+    for step in range(4):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        for a, b, g in zip(ours, theirs, grads, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        ours[3].grad = theirs[3].grad = None  # no gradient this step: neither moves it
+        set_lr(mine, config.lr / (step + 1))
+        set_lr(torchs, config.lr / (step + 1))
+        mine.step()
+        torchs.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in torchs.state[b]:
+                assert torch.equal(mine.state[a][key], torchs.state[b][key]), key
+    assert torch.equal(mine.state[ours[3]]["exp_avg"], torch.zeros(shapes[3], dtype=dtype))
+    assert [g["weight_decay"] for g in mine.param_groups] == [0.1, 0.0]
+    mine.zero_grad(set_to_none=False)
+    assert all(p.grad is None or not p.grad.any() for p in ours)
+
+
 def test_learning_rate_warms_up_then_decays_by_a_cosine():
     optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
     assert [optim.lr_at(k) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
