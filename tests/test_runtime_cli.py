@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import REPO, launch, plan_json, run_env, torchrun
+from dist_helpers import REPO, free_port, launch, plan_json, run_env, torchrun
 
 from costmodel import PRESETS, ModelConfig, Plan
 from runtime.optim import OptimConfig
@@ -80,11 +80,23 @@ def test_train_under_torchrun_writes_metrics_and_matches_the_reference(tmp_path)
 
 
 def test_world_size_mismatch_is_one_sentence_on_every_rank(tmp_path):
+    """Each rank refuses on its own, before any rendezvous: started alone with the environment
+    torchrun gives it, rank 0 or rank 1 of 2 prints the sentence and exits 2 without waiting for the
+    other. Under torchrun the first refusal ends the job (torchrun stops the other rank, which may
+    not have reached its own check yet)."""
     args = ["-m", "elastor", "train", "--plan", write_plan(tmp_path, PLAN), "--steps", "1"]
-    result = launch(torchrun(2, *args, "--metrics", str(tmp_path / "m.jsonl")), timeout=120)
-    assert result.returncode != 0
+    args += ["--metrics", str(tmp_path / "m.jsonl")]
     sentence = "elastor: error: The plan needs 3 processes, one per device, but this job has 2;"
-    assert result.stderr.count(sentence) == 2, result.stderr[-3000:]
+    for rank in (0, 1):
+        env = dict(run_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # nobody listens there
+        alone = subprocess.run(
+            [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert alone.returncode == 2 and alone.stderr.count(sentence) == 1, (rank, alone.stderr[-3000:])
+        assert "Traceback" not in alone.stderr
+    result = launch(torchrun(2, *args), timeout=120)
+    assert result.returncode != 0 and 1 <= result.stderr.count(sentence) <= 2, result.stderr[-3000:]
     assert result.wall_s < 60
 
 
