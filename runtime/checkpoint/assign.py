@@ -52,6 +52,22 @@ def holdings(plan: Plan) -> dict[str, tuple[ParamSpec, list[tuple[int, Box]]]]:
     return {name: held[name] for name in order if name in held}
 
 
+def _segments(holders: list[tuple[int, Box]], d: int):
+    """(lo, hi, ranks keeping all of it) for each run between consecutive box boundaries along `d`, by
+    one sweep over the boundaries (the ranks in `holders` order); runs no box covers are skipped."""
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
+    for j, (_, b) in enumerate(holders):
+        starts.setdefault(b.offsets[d], []).append(j)
+        ends.setdefault(b.offsets[d] + b.sizes[d], []).append(j)
+    active: set[int] = set()
+    for lo, hi in pairwise(sorted(starts.keys() | ends.keys())):
+        active.difference_update(ends.get(lo, ()))
+        active.update(starts.get(lo, ()))
+        if active:
+            yield lo, hi, tuple(holders[j][0] for j in sorted(active))
+
+
 def assign_writers(plan: Plan, kinds: dict[str, int], piece_bytes: int) -> list[WriteItem]:
     """Every piece of the state and its writer.
 
@@ -62,11 +78,7 @@ def assign_writers(plan: Plan, kinds: dict[str, int], piece_bytes: int) -> list[
     for name, (spec, holders) in holdings(plan).items():
         d = split_dim(spec)
         row_elements = spec.full_box().numel // spec.shape[d]
-        cuts = sorted({b.offsets[d] for _, b in holders} | {b.offsets[d] + b.sizes[d] for _, b in holders})
-        for lo, hi in pairwise(cuts):
-            owners = tuple(
-                rank for rank, b in holders if b.offsets[d] <= lo and hi <= b.offsets[d] + b.sizes[d]
-            )
+        for lo, hi, owners in _segments(holders, d):
             for prefix, itemsize in kinds.items():
                 row_bytes = row_elements * itemsize
                 rows = max(1, piece_bytes // row_bytes)
