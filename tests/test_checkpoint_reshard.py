@@ -85,16 +85,19 @@ def test_every_piece_is_written_once_by_one_of_its_holders():
     for _ in range(30):
         plan = random_plan(rng)
         held = holdings(plan)
+        kept: dict[tuple[str, int], list] = {}  # (parameter, rank) -> the boxes it keeps
+        for name, (_, holders) in held.items():
+            for rank, box in holders:
+                kept.setdefault((name, rank), []).append(box)
         items = assign_writers(plan, KINDS_FP32, piece_bytes=4096)
         by_name: dict[str, list] = {}
         for item in items:
             by_name.setdefault(item.name, []).append(item)
-            _, holders = held[item.name.removeprefix("optim.exp_avg.").removeprefix("optim.exp_avg_sq.")]
+            param = item.name.removeprefix("optim.exp_avg.").removeprefix("optim.exp_avg_sq.")
             d = item.split_dim
-            assert any(
+            assert any(  # the writer keeps all of the piece
                 box.offsets[d] <= item.start and item.stop <= box.offsets[d] + box.sizes[d]
-                for r, box in holders
-                if r == item.writer
+                for box in kept.get((param, item.writer), ())
             ), item
         assert len(by_name) == 3 * len(held)
         for name, parts in by_name.items():

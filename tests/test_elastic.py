@@ -47,9 +47,16 @@ def _profile(path: Path, dtype: str = "float32") -> Path:
     return path
 
 
+# Measured once per session: tests/test_inprocess.py imports the fixture, and its module scope
+# alone would measure it again there.
+_PROFILES: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory) -> Path:
-    return _profile(tmp_path_factory.mktemp("profile") / "profile.json")
+    if "float32" not in _PROFILES:
+        _PROFILES["float32"] = _profile(tmp_path_factory.mktemp("profile") / "profile.json")
+    return _PROFILES["float32"]
 
 
 def run_command(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str) -> list[str]:
