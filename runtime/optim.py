@@ -122,13 +122,12 @@ class AdamW:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every parameter's gradient, or with `set_to_none=False` zero it in place."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if set_to_none:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    p.grad = None
-        elif grads:
-            torch._foreach_zero_(grads)
+            for p in params:
+                p.grad = None
+        elif params:
+            torch._foreach_zero_([p.grad for p in params])
 
     @torch.no_grad()
     def step(self) -> None:
