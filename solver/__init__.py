@@ -54,7 +54,9 @@ all-reduces it replaces, keeps less and computes no more, so it never loses). Re
 compute for memory. Elastor's search (and node-drop's) offers every pipeline template in each mode
 of RECOMPUTE_PASSES, every stage of the pipeline in it, so that one plan may mix pipelines of
 different modes (a recomputing template is dropped where its twin without recomputation fits, as it
-is slower in everything the plan's cost compares); the grid baselines search once per mode. Each
+is slower in everything the plan's cost compares; the skeleton family does not even build a heavier
+mode's split where it fits in the next lighter mode, `solver.skeletons`); the grid baselines search
+once per mode. Each
 answer then gives back the recomputation its stages do not need (`relax_recompute`: the lightest
 mode in which the stage still fits, which is never slower), and the fastest answer wins. A mode is
 searched only where it lets some stage that is short of memory hold more micro-batches (`helps`);

@@ -157,14 +157,17 @@ def candidates(
     limits: Limits,
     incumbent: float,
     seeded: Sequence[Template] = (),
+    lighter: dict[int, StageTable] | None = None,
 ) -> list[Template]:
     """Templates of the searched space: skeletons (models with identical blocks) or the exact program
-    within `limits`, plus the `seeded` pipelines of other methods' plans."""
+    within `limits`, plus the `seeded` pipelines of other methods' plans. `lighter`: the stage
+    tables of the next lighter recompute mode of the search, whose twins of a skeleton's splits
+    make the splits that fit there needless in this mode (`solver.skeletons.Splitter.templates`)."""
     L = profile.model.num_layers
     found = list(seeded)
     if limits.skeletal and block_uniform(profile):
         # pruned before the seeds join: pruning the whole again gives the same templates
-        found += skeletal_templates(tables, L, capacities, single_node)
+        found += skeletal_templates(tables, L, capacities, single_node, lighter)
     else:
         found += generate(
             tables,
@@ -180,7 +183,11 @@ def candidates(
 
 
 def skeletal_templates(
-    tables: dict[int, StageTable], num_layers: int, capacities: Sequence[int], single_node: bool
+    tables: dict[int, StageTable],
+    num_layers: int,
+    capacities: Sequence[int],
+    single_node: bool,
+    lighter: dict[int, StageTable] | None = None,
 ) -> list[Template]:
     """The skeleton family's templates (pruned), with runs enough for twice the smallest pipeline
     (at least two). A skeleton of R runs uses at most R nodes, so whether it fits depends only on the
@@ -193,13 +200,16 @@ def skeletal_templates(
         c for c, n in sorted(Counter(capacities).items(), reverse=True) for _ in range(min(n, most))
     )
     ordered = tuple(tables[t] for t in sorted(tables))
-    key = (num_layers, classes, single_node, runs)
+    easier = tuple(lighter[t] for t in sorted(lighter)) if lighter is not None else ()
+    key = (num_layers, classes, single_node, runs, len(easier))
     return list(
         _SKELETAL.get(
-            ordered,
+            ordered + easier,
             key,
             lambda: prune(
-                generate_skeletal(tables, num_layers, classes, single_node=single_node, max_runs=runs)
+                generate_skeletal(
+                    tables, num_layers, classes, single_node=single_node, max_runs=runs, lighter=lighter
+                )
             ),
         )
     )
@@ -321,8 +331,9 @@ def search(
                 if p.num_chunks == 1 and r in seeded:  # an interleaved pipeline is a variant of its own
                     seeded[r].append(template_of(p, tables[r]))
         templates = []
-        for r in mode.modes:
-            found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r])
+        for lighter, r in zip((None, *mode.modes[:-1]), mode.modes, strict=True):
+            easier = tables[lighter] if lighter is not None else None
+            found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r], easier)
             if mode.interleave and block_uniform(profile):
                 found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))
             templates += [t if t.recompute == r else dataclasses.replace(t, recompute=r) for t in found]

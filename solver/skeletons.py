@@ -15,6 +15,13 @@ stages' TP degrees are fixed then has a closed form:
     (time is linear in b, so this least-cost filling minimises A), and within a TP degree to the
     stage holding the fewest parameters (to keep W small).
 
+Recomputation: each recompute mode of a search has its own splits (its stage times and memory caps
+differ). A heavier mode's split is only built where it might not fit in the next lighter mode: a
+split whose every stage's most blocks at the threshold fit there with their micro-batches in flight
+has a twin in the lighter mode that is faster in A and M and alike in W, O and footprint, so the
+heavier template could only be pruned. On llama2-7b on 8,8,8,7 that leaves out nearly every
+selective and full split (0.6x the template time; every plan of the solver benchmark unchanged).
+
 Skeletons (the family searched): a pipeline is a sequence of node runs, each a composition of a
 node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
 pipeline inside a node, sharing it with others), or whole-node runs of one or two kinds, each kind
@@ -56,8 +63,10 @@ _SPLITTERS: IdentityMemo["Splitter"] = IdentityMemo(limit=16)
 # BLOCKS_LIMIT entries, room for a 7b-class solve's.
 _PARAMS: dict[tuple, int] = {}  # the stages' parameters of a splitter -> its token
 _TOKENS = itertools.count()
+_SERIALS = itertools.count()
 _BLOCKS: dict[tuple, tuple[tuple, list[int]]] = {}  # -> (stages, blocks)
 BLOCKS_LIMIT = 16_384
+_EVERY = object()  # `Splitter._twinned`: every split tried fits in the lighter mode
 
 
 def splitter_of(tables: dict[int, StageTable], num_layers: int) -> "Splitter":
@@ -127,7 +136,9 @@ class Splitter:
             for tp, tab in tables.items()
             for back, inter in tab.exchange_s
         }
-        self._known: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Template]] = {}
+        self.serial = next(_SERIALS)  # names the splitter in other splitters' keys (`templates`)
+        self._known: dict[tuple, tuple[list[int], list[Template]]] = {}
+        self._fit_lighter: dict[tuple, frozenset[int] | object] = {}  # `_twinned`, by TP sequence
         self._by_tps: dict[tuple[int, ...], _Splits | None] = {}
         self._by_degree: dict[tuple[int, ...], tuple[tuple[int, ...], list[list[int]]]] = {}
         # the block splits depend on the stages' parameters, not on time: splitters of tables with
@@ -139,15 +150,65 @@ class Splitter:
             _PARAMS[params] = next(_TOKENS)  # never reused, so a cleared token cannot alias
         self._params = _PARAMS[params]
 
-    def templates(self, tps: Sequence[int], runs: Sequence[int]) -> list[Template]:
+    def templates(
+        self, tps: Sequence[int], runs: Sequence[int], lighter: "Splitter | None" = None
+    ) -> list[Template]:
         """Templates of the skeleton: stage TP degrees front to back, and the run of each stage
-        (each skeleton built once per splitter: the searches of one solve share it, `splitter`)."""
+        (each skeleton built once per splitter: the searches of one solve share it, `splitter`).
+
+        With `lighter`, the splitter of a lighter recompute mode (same model and micro-batch size),
+        only the splits that might not fit there: a split whose every stage's blocks fit in the
+        lighter mode's memory has a twin there that is faster in A and M and alike in W, O and
+        footprint, so this mode's template could only be pruned (solver.core). Where every split
+        tried fits there, none is built."""
         key = (tuple(tps), tuple(runs))
+        if lighter is not None:
+            twinned = self._twinned(key[0], lighter)
+            if twinned is _EVERY:
+                return []
+            if twinned:
+                thresholds, found = self._tagged(key)
+                return [t for j, t in zip(thresholds, found, strict=True) if j not in twinned]
+        return self._tagged(key)[1]
+
+    def memory_caps(self, tps: tuple[int, ...]) -> list[int]:
+        """The most blocks each stage of a pipeline of these TP degrees holds within its memory,
+        with the micro-batches 1F1B keeps in flight there (below a kind's fewest: none)."""
+        p = len(tps)
+        kinds = [self.kinds[tp, "middle"] for tp in tps]
+        kinds[0], kinds[-1] = self.kinds[tps[0], "first"], self.kinds[tps[-1], "last"]
+        return [k.reach[p - s] for s, k in enumerate(kinds)]
+
+    def _twinned(self, tps: tuple[int, ...], lighter: "Splitter") -> "frozenset[int] | object":
+        """The thresholds of the TP sequence whose split surely fits in `lighter`'s memory (each
+        stage's cap there at least its most blocks here), or _EVERY when all that are tried do."""
+        key = (tps, lighter.serial)
+        if key not in self._fit_lighter:
+            p, found = len(tps), frozenset()
+            if p == 1:
+                roomy = lighter.tables[tps[0]].max_in_flight[0][self.L] >= 1  # the whole model fits
+                found = _EVERY if roomy else found
+            elif (split := self._splits(tps)) is not None and split.caps(
+                split.times[split.lo], 0
+            ) <= lighter.kinds[tps[0], "first"].reach[p]:  # the front stage keeps the most in flight
+                roomy = lighter.memory_caps(tps)
+                tried = _tried(split)
+                # a threshold's caps only grow with it: the thresholds that fit are a prefix
+                fit = list(
+                    itertools.takewhile(lambda j: all(map(int.__le__, split.caps_at(j), roomy)), tried)
+                )
+                found = _EVERY if len(fit) == len(tried) else frozenset(fit)
+            self._fit_lighter[key] = found
+        return self._fit_lighter[key]
+
+    def _tagged(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[list[int], list[Template]]:
+        """The skeleton's templates, and the threshold of each one's split (-1: one stage)."""
         if key not in self._known:
-            self._known[key] = self._split(key[0], key[1])
+            found = self._split(*key)
+            self._known[key] = [j for j, _ in found], [t for _, t in found]
         return self._known[key]
 
-    def _split(self, tps: tuple[int, ...], runs: tuple[int, ...]) -> list[Template]:
+    def _split(self, tps: tuple[int, ...], runs: tuple[int, ...]) -> list[tuple[int, Template]]:
         p = len(tps)
         if p == 1:
             tab = self.tables[tps[0]]
@@ -156,7 +217,8 @@ class Splitter:
             t = tab.time_s[0][self.L]
             stages = ((0, self.L, tps[0]),)
             terms = sync_terms(self.tables, stages, (0,))
-            return [Template(stages, (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L], *terms)]
+            alone = Template(stages, (0,), t, t, tab.params[0][self.L], tab.optimizer_s[0][self.L], *terms)
+            return [(-1, alone)]
         split = self._splits(tps)
         if split is None:
             return []
@@ -170,14 +232,14 @@ class Splitter:
         # the smallest A at any M: only its A is needed
         at = split.stages_at(len(split.times) - 1)
         least = _one_micro_batch_s(at[1], p2p(at[0]))
-        found = [first]
-        for j in range(split.lo + 1, min(split.lo + 1 + MAX_EXTRA_THRESHOLDS, len(split.times))):
+        found = [(split.lo, first)]
+        for j in _tried(split)[1:]:
             if (p - 1) * (split.times[j] - first.bottleneck_s) >= first.pipeline_s - least:
                 break  # a larger M can no longer pay for itself with a smaller A
             at = split.stages_at(j)
             exchanges = p2p(at[0])
-            if _one_micro_batch_s(at[1], exchanges) < found[-1].pipeline_s:
-                found.append(self._template(tps, runs, split.kinds, at, exchanges))
+            if _one_micro_batch_s(at[1], exchanges) < found[-1][1].pipeline_s:
+                found.append((j, self._template(tps, runs, split.kinds, at, exchanges)))
         return found
 
     def forget_splits(self) -> None:
@@ -198,7 +260,7 @@ class Splitter:
             return None
         kinds = [self.kinds[tp, "middle"] for tp in tps]
         kinds[0], kinds[-1] = self.kinds[tps[0], "first"], self.kinds[tps[-1], "last"]
-        mem = [k.reach[p - s] for s, k in enumerate(kinds)]
+        mem = [k.reach[p - s] for s, k in enumerate(kinds)]  # `memory_caps`
         if any(top < k.lo for k, top in zip(kinds, mem, strict=True)):
             return None
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
@@ -237,17 +299,24 @@ class Splitter:
                 total += prefix[below] + c * (len(tops) - below)
             return cap if total >= n else None
 
-        def shape(limit: float) -> _Shape:
+        def caps(limit: float, stage: int | None = None) -> list[int] | int:
+            """Each stage's most blocks under the threshold (it must be one that covers), or the
+            given stage's alone."""
+            if stage is not None:
+                k, lo, hi, _, _ = ranges[which[stage]]
+                return min(mem[stage], bisect.bisect_right(k.time, limit, lo, hi) - 1)
             cap = cover(limit)
-            caps = [min(top, cap[i]) for i, top in zip(which, mem, strict=True)]
-            stages, blocks = self._blocks(tps, kinds, caps)
+            return [min(top, cap[i]) for i, top in zip(which, mem, strict=True)]
+
+        def shape(limit: float) -> _Shape:
+            stages, blocks = self._blocks(tps, kinds, caps(limit))
             return stages, [k.time[b] for k, b in zip(kinds, blocks, strict=True)], blocks
 
         # The smallest threshold whose caps cover the blocks (the largest always does).
         lo = bisect.bisect_left(
             range(len(times)), True, hi=len(times) - 1, key=lambda i: cover(times[i]) is not None
         )
-        return _Splits(kinds, times, lo, shape)
+        return _Splits(kinds, times, lo, shape, caps)
 
     def _lines(self, tps, runs) -> list[list[float]]:
         """Each boundary's exchange by the end of the stage in front of it, on the skeleton's runs."""
@@ -373,12 +442,21 @@ class _Splits:
     times: list[float]
     lo: int
     shape: Callable[[float], _Shape]
+    caps: Callable[..., list[int] | int]  # each stage's (or one stage's) most blocks under a threshold
     _at: dict[int, _Shape] = dataclasses.field(default_factory=dict)
 
     def stages_at(self, j: int) -> _Shape:
         if j not in self._at:
             self._at[j] = self.shape(self.times[j])
         return self._at[j]
+
+    def caps_at(self, j: int) -> list[int]:
+        return self.caps(self.times[j])
+
+
+def _tried(split: _Splits) -> range:
+    """The thresholds a skeleton's splits are tried at: the least that covers, and a few above."""
+    return range(split.lo, min(split.lo + 1 + MAX_EXTRA_THRESHOLDS, len(split.times)))
 
 
 def _reach(fits: list[int], lo: int, n: int, in_flight: int) -> int:
@@ -482,11 +560,15 @@ def generate_skeletal(
     *,
     single_node: bool,
     max_runs: int,
+    lighter: dict[int, StageTable] | None = None,
 ) -> list[Template]:
+    """The family's templates; with `lighter`, the stage tables of a lighter recompute mode, only
+    those whose split might not fit there (`Splitter.templates`)."""
     splitter = splitter_of(tables, num_layers)
+    easier = splitter_of(lighter, num_layers) if lighter is not None else None
     out = []
     for tps, runs in fitting_skeletons(tuple(capacities), tuple(sorted(tables)), max_runs, single_node):
-        out += splitter.templates(tps, runs)
+        out += splitter.templates(tps, runs, easier)
     splitter.forget_splits()
     return out
 

@@ -354,6 +354,41 @@ def test_skeletal_templates_depend_on_few_nodes_of_each_class(p70):
             assert shared == whole and (whole or single_node)  # 70B does not fit on one node
 
 
+@pytest.mark.parametrize("model", ["p7", "p70"])
+def test_a_heavier_mode_leaves_out_only_splits_whose_lighter_twin_fits_and_is_faster(model, request):
+    """With a lighter recompute mode's tables, the skeleton family of a heavier mode leaves out a
+    template only where the same split fits in the lighter mode with its 1F1B micro-batches in
+    flight, faster in A and M and alike in everything else the master compares; the rest are the
+    same templates. On llama2-7b most splits fit without recomputation and are left out."""
+    profile = request.getfixturevalue(model)
+    cluster = ClusterSpec.parse("8,8,8,7", profile.device_kind)
+    L = profile.model.num_layers
+    capacities = (8, 8, 8, 7)
+    tables = {
+        mode: {t: stage_table(CostModel(profile, cluster, recompute=mode), t, 1) for t in (1, 2, 4, 8)}
+        for mode in ("none", "selective", "full")
+    }
+    for light, heavy in (("none", "selective"), ("selective", "full")):
+        every = generate_skeletal(tables[heavy], L, capacities, single_node=False, max_runs=4)
+        kept = generate_skeletal(
+            tables[heavy], L, capacities, single_node=False, max_runs=4, lighter=tables[light]
+        )
+        assert all(any(t is k for t in every) for k in kept)
+        left_out = [t for t in every if not any(t is k for k in kept)]
+        for t in left_out:
+            p = t.num_stages
+            lighter = tables[light]
+            assert all(lighter[tp].max_in_flight[s][e] >= p - i for i, (s, e, tp) in enumerate(t.stages))
+            twin_a = sum(lighter[tp].time_s[s][e] for s, e, tp in t.stages)
+            heavy_a = sum(tables[heavy][tp].time_s[s][e] for s, e, tp in t.stages)
+            assert twin_a < heavy_a
+            assert max(lighter[tp].params[s][e] for s, e, tp in t.stages) == t.max_params
+        if model == "p7":
+            assert len(left_out) > len(kept)  # recomputation seldom pays on a 7B model
+        else:
+            assert kept  # on 70B memory binds: most splits need the heavier mode
+
+
 def test_compositions_fill_the_node_in_non_increasing_degrees():
     assert set(compositions(7, [1, 2, 4])) == {
         (4, 2, 1),
