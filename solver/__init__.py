@@ -31,7 +31,8 @@ Method, a decomposition (exact with respect to the cost model):
      runs onto node classes by patterns, covering the global batch with the least sync + optimizer;
      a staircase search over tau (the times pipelines can take) finds the least tau + overhead.
   3. One master per micro-batch size and link scope (one node with intra-node links, or all nodes
-     with inter-node gradient sync); the cheapest answer wins (solver.core).
+     with inter-node gradient sync); the cheapest answer wins (solver.core). Those of the larger
+     micro-batch sizes run in a forked process where a second core is free (solver.parallel).
   4. solver.placement turns the answer into device names; the cost model prices the final plan and its
      step time equals the master's objective. tests/test_solver_optimality.py holds the solver equal to
      a brute-force enumeration of the whole search space on 200 random small instances.
@@ -80,7 +81,7 @@ from costmodel.errors import ElastorError
 from costmodel.estimate import MEMORY_HEADROOM, CostModel, stage_in_flight
 from costmodel.profile import ModelProfile
 from costmodel.sharding import state_bytes
-from solver import baselines
+from solver import baselines, parallel
 from solver.baselines import NO_PINS, Grid
 from solver.core import (
     RECOMPUTE_PASSES,
@@ -151,7 +152,7 @@ def solve(
     stages do not need), and `grid` pins the TP, PP and chunks of the uniform method's grid.
     `progress` receives a line after each pass, and after each sub-problem of Elastor's search,
     once the solve has run PROGRESS_AFTER_S."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), parallel.cpu_s()
     if method not in METHODS:
         raise ElastorError(f"Unknown method {method!r}; use one of {', '.join(METHODS)}.")
     if global_batch_size < 1:
@@ -223,6 +224,7 @@ def solve(
         info.update(status="FEASIBLE", gap=max(0.0, (best[0] - first_s) / best[0]))
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
+    info["cpu_s"] = round(parallel.cpu_s() - cpu, 4)  # this process's and a forked search child's
     return dataclasses.replace(plan, solver=info)
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import math
 import random
+import sys
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,7 @@ import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.estimate import CostModel, SyncCost
 from profiler.analytic import analytic_profile
-from solver import whatif
+from solver import parallel, whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
 from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s, solve_master
@@ -418,6 +419,57 @@ def test_skeleton_split_is_priced_like_the_cost_model(p70):
         cost = cm.planned(start, end, tp, 1)
         assert sum(cost.memory_bytes(len(tps) - s).values()) <= cm.usable_memory_bytes
         assert cost.fwd_s + cost.bwd_s <= template.bottleneck_s * (1 + 1e-12)
+
+
+# ---- two processes: the same answer ---------------------------------------------------------------
+def _plan_summary(plan):
+    return (plan.to_json()["pipelines"], plan.predicted["step_time_s"], plan.solver["status"])
+
+
+@pytest.mark.parametrize("counts", ["8,7", "8,8,8,7"])
+def test_a_search_in_two_processes_finds_the_plan_of_one(p7, counts, monkeypatch):
+    """The sub-problems of the larger micro-batch sizes solved in a forked child (solver.parallel)
+    give the plan, step time and proof of the search in one process, and a child did run."""
+    cluster = ClusterSpec.parse(counts, p7.device_kind)
+    monkeypatch.setenv(parallel.ENV, "1")
+    alone = solver.solve(p7, cluster, 128)
+    started = []
+    real = parallel.Forked.__init__
+
+    def counted(self, work):
+        started.append(work)
+        real(self, work)
+
+    monkeypatch.setattr(parallel.Forked, "__init__", counted)
+    monkeypatch.setenv(parallel.ENV, "2")
+    forked = solver.solve(p7, cluster, 128)
+    assert started and _plan_summary(forked) == _plan_summary(alone)
+
+
+def test_a_child_that_dies_leaves_its_sub_problems_to_the_parent(p7, monkeypatch):
+    cluster = ClusterSpec.parse("8,7", p7.device_kind)
+    monkeypatch.setenv(parallel.ENV, "1")
+    alone = solver.solve(p7, cluster, 128)
+    real = parallel.Forked.__init__
+    killed = []
+
+    def dying(self, work):
+        real(self, work)
+        self._child.kill()  # no answer comes back: the parent must solve those jobs itself
+        killed.append(self)
+
+    monkeypatch.setattr(parallel.Forked, "__init__", dying)
+    monkeypatch.setenv(parallel.ENV, "2")
+    assert _plan_summary(solver.solve(p7, cluster, 128)) == _plan_summary(alone) and killed
+
+
+def test_the_process_count_follows_the_environment_and_stays_at_one_beside_torch(monkeypatch):
+    for value, expected in (("1", 1), ("2", 2), ("8", 2), ("0", 1), ("many", 1)):
+        monkeypatch.setenv(parallel.ENV, value)
+        assert parallel.processes() == expected
+    monkeypatch.delenv(parallel.ENV)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+    assert parallel.processes() == 1  # a process with torch's threads does not fork
 
 
 # ---- large instances: valid, priced, never below a baseline ---------------------------------------

@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     info = plan.solver
     print(
         f"{info['method']}: {info['status']} (gap {info['gap']:.2%}) in {info['wall_s']:.2f} s"
+        + (f" ({info['cpu_s']:.2f} s of CPU)" if "cpu_s" in info else "")
         + ("" if info["status"] == "OPTIMAL" else " (not proven optimal: the time limit stopped the search)")
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
