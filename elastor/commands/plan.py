@@ -177,7 +177,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
     rows = [
         (
             "method", "samples/s", "MFU", "vs " + plan.solver["method"], "pipelines", "stages",
-            "sp stages", "recompute", "optimizer", "GPUs used", "status",
+            "sp stages", "recompute", "optimizer", "GPUs used", "status", "solve s (CPU s)",
         )
     ]  # fmt: skip
     for method in solver.METHODS:
@@ -188,7 +188,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 else solver.solve(profile, cluster, gbs, method, sizes, time_limit_s)
             )
         except ElastorError as e:
-            rows.append((method, "-", "-", "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}"))
+            rows.append((method, "-", "-", "-", "-", "-", "-", "-", "-", "-", f"no plan: {e}", "-"))
             continue
         rate = other.predicted["samples_per_s"]
         rows.append(
@@ -204,6 +204,7 @@ def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) 
                 other.optimizer.sharding,
                 other.world_size,
                 other.solver["status"],
+                f"{other.solver['wall_s']:.2f} ({other.solver.get('cpu_s', float('nan')):.2f})",
             )
         )
     return format_table(rows)
