@@ -10,17 +10,19 @@ splitters, cost models, memoised templates) into workers that import the solver 
 shares them as they are, and only the answer (a master result, a few hundred templates at most)
 travels back. The child's memos die with it, so the parent keeps only what it built itself.
 
-Forking a process that runs other threads is only safe while they hold no lock the child needs: the
-solver's own process (the command line, the benchmarks, a what-if sweep) is such a process, and a
-process that has loaded torch (a training worker re-planning, with its thread pools and perhaps a
-CUDA context) is not assumed to be; there the search runs in one process. ELASTOR_SOLVER_PROCESSES
-(1 or 2) overrides the choice.
+Forking a process that runs other threads is only safe while they hold no lock the child needs. The
+solver's own process (the command line, the benchmarks, a what-if sweep) runs none; a process that
+has loaded torch (a training worker re-planning, with its thread pools and perhaps a CUDA context)
+or runs other Python threads (an agent's heartbeats) is not assumed to be safe, and there the
+search runs in one process, as it does in a daemonic process (a pool's worker, which may not start
+children). ELASTOR_SOLVER_PROCESSES (1 or 2) overrides the choice but for the last.
 """
 
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -31,13 +33,15 @@ ENV = "ELASTOR_SOLVER_PROCESSES"
 
 def processes() -> int:
     """How many processes a search may use (1 or 2; module docstring)."""
+    if not hasattr(os, "fork") or multiprocessing.current_process().daemon:
+        return 1  # a daemonic process (a pool's worker) may not start children
     wanted = os.environ.get(ENV, "").strip()
     if wanted:
         try:
-            return 2 if int(wanted) >= 2 and hasattr(os, "fork") else 1
+            return 2 if int(wanted) >= 2 else 1
         except ValueError:
             return 1
-    if not hasattr(os, "fork") or "torch" in sys.modules:
+    if "torch" in sys.modules or threading.active_count() > 1:
         return 1
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     return 2 if len(cores) >= 2 else 1

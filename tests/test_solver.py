@@ -4,8 +4,10 @@ against the cost model, the baselines and the one-sentence infeasibility errors.
 import dataclasses
 import itertools
 import math
+import multiprocessing
 import random
 import sys
+import threading
 
 import numpy as np
 import pandas as pd
@@ -470,6 +472,18 @@ def test_the_process_count_follows_the_environment_and_stays_at_one_beside_torch
     monkeypatch.delenv(parallel.ENV)
     monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
     assert parallel.processes() == 1  # a process with torch's threads does not fork
+    monkeypatch.delitem(sys.modules, "torch")
+    waiting = threading.Event()
+    other = threading.Thread(target=waiting.wait)
+    other.start()
+    try:
+        assert parallel.processes() == 1  # nor one that runs other threads
+    finally:
+        waiting.set()
+        other.join()
+    monkeypatch.setenv(parallel.ENV, "2")
+    monkeypatch.setattr(multiprocessing.current_process(), "_config", {"daemon": True})
+    assert parallel.processes() == 1  # a pool's worker may not start a child, whatever is asked
 
 
 # ---- large instances: valid, priced, never below a baseline ---------------------------------------
