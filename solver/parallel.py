@@ -15,7 +15,8 @@ solver's own process (the command line, the benchmarks, a what-if sweep) runs no
 has loaded torch (a training worker re-planning, with its thread pools and perhaps a CUDA context)
 or runs other Python threads (an agent's heartbeats) is not assumed to be safe, and there the
 search runs in one process, as it does in a daemonic process (a pool's worker, which may not start
-children). ELASTOR_SOLVER_PROCESSES (1 or 2) overrides the choice but for the last.
+children) and on systems other than Linux. ELASTOR_SOLVER_PROCESSES (1 or 2) overrides the choice
+but for the last two.
 """
 
 import multiprocessing
@@ -33,8 +34,10 @@ ENV = "ELASTOR_SOLVER_PROCESSES"
 
 def processes() -> int:
     """How many processes a search may use (1 or 2; module docstring)."""
-    if not hasattr(os, "fork") or multiprocessing.current_process().daemon:
-        return 1  # a daemonic process (a pool's worker) may not start children
+    # fork on Linux only (macOS's system libraries do not survive it); a daemonic process (a pool's
+    # worker) may not start children
+    if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
+        return 1
     wanted = os.environ.get(ENV, "").strip()
     if wanted:
         try:
@@ -43,8 +46,7 @@ def processes() -> int:
             return 1
     if "torch" in sys.modules or threading.active_count() > 1:
         return 1
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return 2 if len(cores) >= 2 else 1
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
 
 
 def cpu_s() -> float:
