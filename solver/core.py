@@ -400,9 +400,7 @@ def search(
                     seeded[r].append(template_of(p, tables[r]))
         templates = []
         for lighter, r in zip((None, *mode.modes[:-1]), mode.modes, strict=True):
-            # a lighter mode's twin stands for a template, not for its interleaved variants: those
-            # hold more micro-batches in flight, and a heavier mode's may fit where the twin's do not
-            easier = tables[lighter] if lighter is not None and not mode.interleave else None
+            easier = tables[lighter] if lighter is not None else None
             found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r], easier)
             if mode.interleave and block_uniform(profile):
                 found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))

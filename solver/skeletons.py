@@ -21,8 +21,6 @@ split whose every stage's most blocks at the threshold fit there with their micr
 has a twin in the lighter mode that is faster in A and M and alike in W, O and footprint, so the
 heavier template could only be pruned. On llama2-7b on 8,8,8,7 that leaves out nearly every
 selective and full split (0.6x the template time; every plan of the solver benchmark unchanged).
-A search that also offers interleaved variants builds them all (solver.core): a variant keeps more
-micro-batches in flight, and the heavier mode's may fit where the twin's does not.
 
 Skeletons (the family searched): a pipeline is a sequence of node runs, each a composition of a
 node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
