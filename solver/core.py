@@ -400,6 +400,7 @@ def search(
                     seeded[r].append(template_of(p, tables[r]))
         templates = []
         for lighter, r in zip((None, *mode.modes[:-1]), mode.modes, strict=True):
+            # (with interleaving this restricts the family a little: solver.skeletons docstring)
             easier = tables[lighter] if lighter is not None else None
             found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r], easier)
             if mode.interleave and block_uniform(profile):
