@@ -25,7 +25,8 @@ Where the search also offers interleaved variants (solver.interleave), leaving t
 leaves out its variants too, and that restricts the family: a heavier mode's variant keeps its more
 micro-batches in flight in less memory and can fit where the twin's variant does not. Measured with
 `--chunks auto` on the solver benchmark, against building every split: no plan slower, one faster
-(987 GPUs, 0.1%: the master's dominance among chunk terms, solver docstring), 0.5x-0.8x the time.
+(987 GPUs, 0.1%: the master's dominance among chunk terms, solver docstring), 0.53x-0.75x the
+time (one run of the script each).
 
 Skeletons (the family searched): a pipeline is a sequence of node runs, each a composition of a
 node's GPUs into non-increasing TP degrees (4+2+1 on a 7-GPU node); either one run of any size (a
