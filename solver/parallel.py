@@ -1,14 +1,14 @@
 """Sub-problems of a search solved in a forked process while this one solves the others.
 
 A search solves one master problem per micro-batch size and link scope (solver.core), each over
-templates built for it alone; building the templates of the larger micro-batch sizes takes a third
-to a half of a solve (llama2-70b on 61 GPUs: 2.3 s of 6.8 s), on a core that sits idle. `Forked`
+templates built for it alone; the sub-problems of the larger micro-batch sizes take a fifth to a
+third of a solve (llama2-70b on 61 GPUs: 2.3 s of 6.8 s), on a core that sits idle. `Forked`
 runs such work in a child process started by fork and hands its answer back through a pipe.
 
 Why by hand rather than concurrent.futures: a pool would pickle the work's inputs (stage tables,
 splitters, cost models, memoised templates) into workers that import the solver again; a fork
-shares them as they are, and only the answer (a master result, a few hundred templates at most)
-travels back. The child's memos die with it, so the parent keeps only what it built itself.
+shares them as they are, and only the answer (each sub-problem's bound and the plan its master
+found) travels back. The child's memos die with it, so the parent keeps only what it built itself.
 
 Forking a process that runs other threads is only safe while they hold no lock the child needs. The
 solver's own process (the command line, the benchmarks, a what-if sweep) runs none; a process that
