@@ -72,7 +72,6 @@ _TOKENS = itertools.count()
 _SERIALS = itertools.count()
 _BLOCKS: dict[tuple, tuple[tuple, list[int]]] = {}  # -> (stages, blocks)
 BLOCKS_LIMIT = 16_384
-_EVERY = object()  # `Splitter._twinned`: every split tried fits in the lighter mode
 
 
 def splitter_of(tables: dict[int, StageTable], num_layers: int) -> "Splitter":
@@ -144,7 +143,7 @@ class Splitter:
         }
         self.serial = next(_SERIALS)  # names the splitter in other splitters' keys (`templates`)
         self._known: dict[tuple, tuple[list[int], list[Template]]] = {}
-        self._fit_lighter: dict[tuple, frozenset[int] | object] = {}  # `_twinned`, by TP sequence
+        self._fit_lighter: dict[tuple, int | None] = {}  # `_first_unfit`, by TP sequence and splitter
         self._by_tps: dict[tuple[int, ...], _Splits | None] = {}
         self._by_degree: dict[tuple[int, ...], tuple[tuple[int, ...], list[list[int]]]] = {}
         # the block splits depend on the stages' parameters, not on time: splitters of tables with
@@ -168,43 +167,42 @@ class Splitter:
         footprint, so this mode's template could only be pruned (solver.core). Where every split
         tried fits there, none is built."""
         key = (tuple(tps), tuple(runs))
-        if lighter is not None:
-            twinned = self._twinned(key[0], lighter)
-            if twinned is _EVERY:
-                return []
-            if twinned:
-                thresholds, found = self._tagged(key)
-                return [t for j, t in zip(thresholds, found, strict=True) if j not in twinned]
-        return self._tagged(key)[1]
+        if lighter is None:
+            return self._tagged(key)[1]
+        first = self._first_unfit(key[0], lighter)
+        if first is None:
+            return []
+        thresholds, found = self._tagged(key)
+        return [t for j, t in zip(thresholds, found, strict=True) if j >= first]
 
-    def memory_caps(self, tps: tuple[int, ...]) -> list[int]:
-        """The most blocks each stage of a pipeline of these TP degrees holds within its memory,
-        with the micro-batches 1F1B keeps in flight there (below a kind's fewest: none)."""
-        p = len(tps)
+    def _stage_kinds(self, tps: tuple[int, ...]) -> list[_Kind]:
+        """Each stage's kind: the first holds the embedding, the last the head."""
         kinds = [self.kinds[tp, "middle"] for tp in tps]
         kinds[0], kinds[-1] = self.kinds[tps[0], "first"], self.kinds[tps[-1], "last"]
-        return [k.reach[p - s] for s, k in enumerate(kinds)]
+        return kinds
 
-    def _twinned(self, tps: tuple[int, ...], lighter: "Splitter") -> "frozenset[int] | object":
-        """The thresholds of the TP sequence whose split surely fits in `lighter`'s memory (each
-        stage's cap there at least its most blocks here), or _EVERY when all that are tried do."""
+    def _first_unfit(self, tps: tuple[int, ...], lighter: "Splitter") -> int | None:
+        """The least threshold of the TP sequence whose split might not fit in `lighter`'s memory
+        (below it, each stage's cap there is at least its most blocks here), or None when every
+        threshold tried fits; a single stage's one split counts as threshold -1."""
         key = (tps, lighter.serial)
         if key not in self._fit_lighter:
-            p, found = len(tps), frozenset()
+            p, first = len(tps), -1
             if p == 1:
-                roomy = lighter.tables[tps[0]].max_in_flight[0][self.L] >= 1  # the whole model fits
-                found = _EVERY if roomy else found
-            elif (split := self._splits(tps)) is not None and split.caps(
-                split.times[split.lo], 0
-            ) <= lighter.kinds[tps[0], "first"].reach[p]:  # the front stage keeps the most in flight
-                roomy = lighter.memory_caps(tps)
+                if lighter.tables[tps[0]].max_in_flight[0][self.L] >= 1:  # the whole model fits
+                    first = None
+            elif (split := self._splits(tps)) is not None:
+                roomy = _memory_caps(lighter._stage_kinds(tps))
                 tried = _tried(split)
-                # a threshold's caps only grow with it: the thresholds that fit are a prefix
-                fit = list(
-                    itertools.takewhile(lambda j: all(map(int.__le__, split.caps_at(j), roomy)), tried)
-                )
-                found = _EVERY if len(fit) == len(tried) else frozenset(fit)
-            self._fit_lighter[key] = found
+                # caps only grow with the threshold: the thresholds that fit are a prefix; the front
+                # stage, which keeps the most micro-batches in flight, decides most sequences at once
+                fit = 0
+                if split.stage_cap(split.times[split.lo], 0) <= roomy[0]:
+                    fit = sum(
+                        1 for _ in itertools.takewhile(lambda j: _within(split.caps_at(j), roomy), tried)
+                    )
+                first = None if fit == len(tried) else split.lo + fit
+            self._fit_lighter[key] = first
         return self._fit_lighter[key]
 
     def _tagged(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[list[int], list[Template]]:
@@ -264,9 +262,8 @@ class Splitter:
         p = len(tps)
         if p > self.n + 2:
             return None
-        kinds = [self.kinds[tp, "middle"] for tp in tps]
-        kinds[0], kinds[-1] = self.kinds[tps[0], "first"], self.kinds[tps[-1], "last"]
-        mem = [k.reach[p - s] for s, k in enumerate(kinds)]  # `memory_caps`
+        kinds = self._stage_kinds(tps)
+        mem = _memory_caps(kinds)
         if any(top < k.lo for k, top in zip(kinds, mem, strict=True)):
             return None
         if sum(mem) < self.n or sum(k.lo for k in kinds) > self.n:
@@ -305,14 +302,15 @@ class Splitter:
                 total += prefix[below] + c * (len(tops) - below)
             return cap if total >= n else None
 
-        def caps(limit: float, stage: int | None = None) -> list[int] | int:
-            """Each stage's most blocks under the threshold (it must be one that covers), or the
-            given stage's alone."""
-            if stage is not None:
-                k, lo, hi, _, _ = ranges[which[stage]]
-                return min(mem[stage], bisect.bisect_right(k.time, limit, lo, hi) - 1)
+        def caps(limit: float) -> list[int]:
+            """Each stage's most blocks under the threshold (it must be one that covers)."""
             cap = cover(limit)
             return [min(top, cap[i]) for i, top in zip(which, mem, strict=True)]
+
+        def stage_cap(limit: float, stage: int) -> int:
+            """One stage's entry of `caps(limit)`, without the others'."""
+            k, lo, hi, _, _ = ranges[which[stage]]
+            return min(mem[stage], bisect.bisect_right(k.time, limit, lo, hi) - 1)
 
         def shape(limit: float) -> _Shape:
             stages, blocks = self._blocks(tps, kinds, caps(limit))
@@ -322,7 +320,7 @@ class Splitter:
         lo = bisect.bisect_left(
             range(len(times)), True, hi=len(times) - 1, key=lambda i: cover(times[i]) is not None
         )
-        return _Splits(kinds, times, lo, shape, caps)
+        return _Splits(kinds, times, lo, shape, caps, stage_cap)
 
     def _lines(self, tps, runs) -> list[list[float]]:
         """Each boundary's exchange by the end of the stage in front of it, on the skeleton's runs."""
@@ -448,7 +446,8 @@ class _Splits:
     times: list[float]
     lo: int
     shape: Callable[[float], _Shape]
-    caps: Callable[..., list[int] | int]  # each stage's (or one stage's) most blocks under a threshold
+    caps: Callable[[float], list[int]]  # each stage's most blocks under a threshold
+    stage_cap: Callable[[float, int], int]  # one stage's
     _at: dict[int, _Shape] = dataclasses.field(default_factory=dict)
 
     def stages_at(self, j: int) -> _Shape:
@@ -458,6 +457,16 @@ class _Splits:
 
     def caps_at(self, j: int) -> list[int]:
         return self.caps(self.times[j])
+
+
+def _memory_caps(kinds: list[_Kind]) -> list[int]:
+    """The most blocks each stage of a pipeline of these stage kinds holds within its memory, with
+    the micro-batches 1F1B keeps in flight there (below a kind's fewest: none)."""
+    return [k.reach[len(kinds) - s] for s, k in enumerate(kinds)]
+
+
+def _within(caps: list[int], roomy: list[int]) -> bool:
+    return all(c <= r for c, r in zip(caps, roomy, strict=True))
 
 
 def _tried(split: _Splits) -> range:
