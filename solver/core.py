@@ -299,20 +299,20 @@ class _JobAnswer:
     solved: bool  # the master ran (else the templates' lower bound settled it)
 
 
-class _Ahead(dict):
-    """Answers of sub-problems solved ahead in a forked process (solver.parallel), by job: `pop`
-    of one of the child's jobs waits for its answers; a job it did not answer is missing."""
+class _Ahead:
+    """Answers of sub-problems solved ahead in a forked process (solver.parallel): `take` of one of
+    the child's jobs waits for all its answers; None for a job it did not answer (or if it died)."""
 
     def __init__(self, child: Forked, jobs: list):
-        super().__init__()
         self._child: Forked | None = child
         self._jobs = set(jobs)
+        self._answers: dict = {}
 
-    def pop(self, job, default=None):
+    def take(self, job) -> "_JobAnswer | None":
         if self._child is not None and job in self._jobs:
-            self.update(self._child.result() or {})
+            self._answers = self._child.result() or {}
             self._child = None
-        return super().pop(job, default)
+        return self._answers.pop(job, None)
 
     def close(self) -> None:
         """Stop the child if its answers were not needed (a bound settled its jobs, or an error)."""
@@ -436,7 +436,7 @@ def search(
             if quick >= incumbent:
                 bounds.append(quick)
                 continue
-            answer = ahead.pop((mbs, inter), None) if ahead is not None else None
+            answer = ahead.take((mbs, inter)) if ahead is not None else None
             if answer is None:
                 answer = solve_job(mbs, inter, incumbent, deadline)
             num_templates += answer.num_templates

@@ -470,8 +470,13 @@ def test_the_process_count_follows_the_environment_and_stays_at_one_beside_torch
         monkeypatch.setenv(parallel.ENV, value)
         assert parallel.processes() == expected
     monkeypatch.delenv(parallel.ENV)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda _: {0, 1})
     monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
-    assert parallel.processes() == 1  # a process with torch's threads does not fork
+    with monkeypatch.context() as alone:  # no other thread: only torch can keep it to one
+        alone.setattr(parallel.threading, "active_count", lambda: 1)
+        assert parallel.processes() == 1  # a process with torch's threads does not fork
+        alone.delitem(sys.modules, "torch")
+        assert parallel.processes() == 2
     monkeypatch.delitem(sys.modules, "torch")
     waiting = threading.Event()
     other = threading.Thread(target=waiting.wait)
