@@ -167,9 +167,14 @@ def peak_live(
 @functools.lru_cache(maxsize=1 << 14)  # the solver asks for the same few shapes many times
 def peak_in_flight(stage: int, num_stages: int, num_chunks: int, m: int, split: bool = False) -> int:
     """Chunk activations alive at once on `stage` at its peak (`split`: until their weight
-    gradients)."""
-    weights = [1.0] * num_chunks
-    return round(peak_live(stage, num_stages, num_chunks, m, weights, weights if split else None))
+    gradients): `peak_live` with unit weights, counted instead of walked. The warm-up's w forwards
+    are alive when the first steady forward comes, and each steady step then adds a forward and
+    frees a backward's activation; split, a backward frees nothing until its W, s backwards later
+    on stage s (`deferred`), so the count grows through the first s steady steps."""
+    n, w = m * num_chunks, warmup(stage, num_stages, num_chunks, m)
+    if w == n:  # no steady step: every forward before the first backward
+        return n
+    return w + 1 + (min(deferred(stage), n - w - 1) if split else 0)
 
 
 def replay(

@@ -15,7 +15,7 @@ schedule changes, and with it how much of the sync backward hides:
   last stage to the first is inter-node unless both are in one run);
 - memory: stage s keeps its live chunk-forwards' activations, each chunk its own bytes
   (`StageTable.kept_bytes` of the chunk's layers: chunks of unequal layers weigh unequally); their
-  most at each micro-batch count m >= S (`live_peaks`) must fit in what the stage's memory leaves
+  most at each micro-batch count m >= S (`stage_peaks`) must fit in what the stage's memory leaves
   for activations (`max_in_flight` times its contiguous range's bytes). Below 2S micro-batches the
   schedule's first group is all of them, so its warm-up, and the chunks alive, grow with m: a
   variant that fits up to some count but not beyond says so (`Template.max_microbatches`), and
@@ -28,7 +28,7 @@ schedule changes, and with it how much of the sync backward hides:
 Each chunk count, one included, also comes with its backwards split (ZB-H1, `Template.split_backward`,
 `costmodel.schedule.split_backward`): the fill and drain cross each stage with W_s - 2 G_s (G_s the
 stage's weight-gradient time, `StageTable.wgrad_s`), and memory is checked with what each chunk
-holds from its B to its W (`split_peaks`, exact over m in [S, 6S)).
+holds from its B to its W (`stage_peaks`, exact over m in [S, 6S)).
 
 Per template, one variant joins it: the chunk count (2 to MAX_CHUNKS, at most its smallest stage's
 layers; split or not) fastest at the micro-batches the template's pipelines get when the whole
@@ -91,26 +91,47 @@ def interleaved(
     most = microbatch_limit(stages, tables, v, split) if memory else 0
     if most is None:
         return None
-    S = len(stages)
-    work = [tables[tp].time_s[s][e] for s, e, tp in stages]
     links = _links(template, tables)
-    inner, wrap = sum(links[:-1]), links[-1]
-    slowest = max(work)
-    steady = 2 * v / S * inner
-    if split:  # the fill and drain cross each stage with W - 2G (`schedule.interleaved_time_s`)
-        lean = [w - 2 * tables[tp].wgrad_s[s][e] for w, (s, e, tp) in zip(work, stages, strict=True)]
-        fill = slowest + (sum(lean) - lean[work.index(slowest)]) / v
-    else:
-        fill = sum(work) / v + (1 - 1 / v) * slowest
+    pipeline_s, bottleneck_s = _line(_Shape.of(template, tables, links), v, split)
     variant = dataclasses.replace(
         template,
-        pipeline_s=fill + 2 * (inner + (v - 1) * wrap) + steady,
-        bottleneck_s=slowest + steady,
+        pipeline_s=pipeline_s,
+        bottleneck_s=bottleneck_s,
         chunks=v,
         max_microbatches=most,
         split_backward=split,
     )
     return chunk_windows(variant, tables, links) if windows else variant
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a template's variants' time lines depend on: each stage's work W_s = F_s + B_s, its W_s -
+    2 G_s (the split schedule's fill and drain), and the sum of its inner links and its wrap-around."""
+
+    work: tuple[float, ...]
+    lean: tuple[float, ...]
+    inner: float
+    wrap: float
+
+    @staticmethod
+    def of(template: Template, tables: dict[int, StageTable], links: Sequence[float]) -> "_Shape":
+        work = tuple(tables[tp].time_s[s][e] for s, e, tp in template.stages)
+        wgrad = [tables[tp].wgrad_s[s][e] for s, e, tp in template.stages]
+        lean = tuple(w - 2 * g for w, g in zip(work, wgrad, strict=True))
+        return _Shape(work, lean, sum(links[:-1]), links[-1])
+
+
+def _line(shape: _Shape, num_chunks: int, split: bool) -> tuple[float, float]:
+    """(A, M) of the variant with `num_chunks` chunks (module docstring)."""
+    v, work = num_chunks, shape.work
+    slowest = max(work)
+    steady = 2 * v / len(work) * shape.inner
+    if split:  # the fill and drain cross each stage with W - 2G (`schedule.interleaved_time_s`)
+        fill = slowest + (sum(shape.lean) - shape.lean[work.index(slowest)]) / v
+    else:
+        fill = sum(work) / v + (1 - 1 / v) * slowest
+    return fill + 2 * (shape.inner + (v - 1) * shape.wrap) + steady, slowest + steady
 
 
 def microbatch_limit(
@@ -143,17 +164,16 @@ def _limit(
         # where memory does not bind; else the exact peak at every micro-batch count
         if _quick_peak(si, S, v, max(weights), max(held, default=0)) <= room:
             continue
-        rows, first = live_rows(si, S, v)
-        alive = rows @ np.asarray(weights, dtype=float)
+        ms = np.arange(S, 6 * S)
+        alive = stage_peaks(si, S, v, tuple(weights))
         if split:
             # the split peak is at least the unsplit one (B's held bytes come on top), and at most
-            # that plus s + 1 chunks held: the exact walk only between the two
+            # that plus s + 1 chunks held: the exact peaks only between the two
             if alive.max() + (si + 1) * max(held) <= room:
                 continue
-            if first[alive > room].min(initial=6 * S) > S:  # (tuples: equal chunks share the walk)
-                ms = np.arange(S, 6 * S)
-                alive, first = split_peaks(si, S, v, tuple(weights), tuple(held)), ms
-        over = first[alive > room]
+            if alive[0] <= room:  # (else not even S micro-batches fit, split or not)
+                alive = stage_peaks(si, S, v, tuple(weights), tuple(held))
+        over = ms[alive > room]
         if len(over):  # the master gives this variant's pipelines fewer micro-batches than any of these
             if over.min() == S:
                 return None
@@ -197,62 +217,38 @@ def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Seque
     return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def live_peaks(stage: int, num_stages: int, num_chunks: int) -> np.ndarray:
-    """The live chunk-forwards per chunk (columns) at every moment their weighted sum could peak on
-    `stage`, at any micro-batch count m >= S: those of m in [S, 6S), every size of the first group
-    with up to four groups after it. Measured, not proven: on random shapes (S <= 12, v <= 8,
-    unequal chunk weights) the peak over every m first came at m < 5S (at 4.9S for S = 12, v = 8),
-    later groups repeating what earlier ones keep; tests/test_solver_interleave.py holds it to
-    `costmodel.schedule.peak_live`, which walks the stage's program, for m up to 12S. Read off
-    prefix counts rather than walking 5S programs: the solver asks it of pipelines of up to 82
-    stages. After the warm-up's w forwards, step j runs forward w + j then backward j of the same
-    table with its chunks reversed, so after that forward chunk k has P_k(w + j + 1) - P_{v-1-k}(j)
-    alive, P_k(n) the table's first n entries of chunk k."""
-    return live_rows(stage, num_stages, num_chunks)[0]
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def live_rows(stage: int, num_stages: int, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """`live_peaks` and, per row, the least micro-batch count m in [S, 6S) at which it occurs."""
-    S, v = num_stages, num_chunks
-    rows, counts = [], []
-    for m, prefix in zip(range(S, 6 * S), _table_prefixes(S, v), strict=True):
-        n, w = len(prefix) - 1, schedule.warmup(stage, S, v, m)
-        if w == n:
-            rows.append(prefix[n][None, :])
-        else:
-            steps = np.arange(n - w)
-            rows.append(prefix[w + steps + 1] - prefix[steps][:, ::-1])
-        counts.append(np.full(len(rows[-1]), m))
-    rows, counts = np.vstack(rows), np.concatenate(counts)
-    order = np.lexsort((counts, *rows.T[::-1]))  # equal rows side by side, least m first
-    rows, counts = rows[order], counts[order]
-    distinct = np.ones(len(rows), dtype=bool)
-    distinct[1:] = (rows[1:] != rows[:-1]).any(axis=1)
-    return rows[distinct].astype(float), counts[distinct]
-
-
 @functools.lru_cache(maxsize=1 << 14)
-def split_peaks(
-    stage: int, num_stages: int, num_chunks: int, weights: tuple[float, ...], held: tuple[float, ...]
+def stage_peaks(
+    stage: int,
+    num_stages: int,
+    num_chunks: int,
+    weights: tuple[float, ...],
+    held: tuple[float, ...] | None = None,
 ) -> np.ndarray:
-    """A stage's peak of live bytes under the split schedule (`costmodel.schedule.split_backward`)
-    at each micro-batch count m in [S, 6S): `costmodel.schedule.peak_live` with `held`, read off
-    weighted prefix sums of the forward table instead of walking 5S programs (the solver asks it of
-    every stage of pipelines of up to 82 stages). B frees a chunk's activation (weights[chunk]) and
-    holds held[chunk] until its W, s backwards later on stage s, so the peak comes after the
-    warm-up, after a forward w + j (j backwards done, the last min(j, s) held) or after a backward
-    j before its W leaves (the last min(j + 1, s + 1) held), drain included. As for `live_peaks`,
-    m in [S, 6S) is measured to hold the peak of every m (tests/test_solver_interleave.py)."""
+    """A stage's most live bytes at each micro-batch count m in [S, 6S): `costmodel.schedule.peak_live`
+    (each chunk-forward's activation weights[chunk] alive until its backward; with `held`, the split
+    schedule of `costmodel.schedule.split_backward`), read off weighted prefix sums of the forward
+    table instead of walking 5S programs (the solver asks it of every stage of pipelines of up to 82
+    stages).
+
+    After the warm-up's w forwards, step j runs forward w + j then backward j of the same table with
+    its chunks reversed, so the peak comes after the warm-up or after a forward: the first w + j + 1
+    forwards' weight less the first j backwards'. Split, B frees a chunk's activation and holds
+    held[chunk] until its W, s backwards later on stage s: after a forward the last min(j, s)
+    backwards' held bytes are alive too, and the peak can also come after a backward j before its W
+    leaves (the last min(j + 1, s + 1) held), drain included. Measured, not proven, that [S, 6S)
+    holds the peak of every m: on random shapes (S <= 12, v <= 8, unequal chunk weights) it first
+    came at m < 5S (at 4.9S for S = 12, v = 8), later groups repeating what earlier ones keep;
+    tests/test_solver_interleave.py holds it to the walk for m up to 12S."""
     S, v = num_stages, num_chunks
     table = _stacked_prefixes(S, v)  # [m - S, n, chunk]
-    fwd = table @ np.asarray(weights, dtype=float)  # weight of the first n forwards
-    bwd = table[:, :, ::-1] @ np.asarray(weights, dtype=float)  # ... of the first n backwards
-    kept = table[:, :, ::-1] @ np.asarray(held, dtype=float)  # what the first n backwards hold
+    weight = np.asarray(weights, dtype=float)
+    fwd = table @ weight  # weight of the first n forwards
+    bwd = table @ weight[::-1]  # ... of the first n backwards (chunks reversed)
     ms = np.arange(S, 6 * S)
     n = ms * v
-    w = np.array([schedule.warmup(stage, S, v, int(m)) for m in ms])
+    first = np.where(ms < 2 * S, ms, S + ms % S)  # the first group's size (`schedule.groups`)
+    w = np.minimum(S - stage - 1 + (v - 1) * first, n)  # `schedule.warmup`, at every m at once
 
     peaks = fwd[np.arange(len(ms)), w]  # after the warm-up
 
@@ -268,8 +264,12 @@ def split_peaks(
         peaks[some] = np.maximum(peaks[some], np.maximum.reduceat(values, starts[some]))
 
     at, j, starts = steps(n - w)
-    after_f = fwd[at, w[at] + j + 1] - bwd[at, j] + kept[at, j] - kept[at, j - np.minimum(j, stage)]
-    most(after_f, n - w, starts)
+    after_f = fwd[at, w[at] + j + 1] - bwd[at, j]
+    if held is None:
+        most(after_f, n - w, starts)
+        return peaks
+    kept = table @ np.asarray(held, dtype=float)[::-1]  # what the first n backwards hold
+    most(after_f + kept[at, j] - kept[at, j - np.minimum(j, stage)], n - w, starts)
     at, j, starts = steps(n)
     done = j + 1
     after_b = (
@@ -284,25 +284,19 @@ def split_peaks(
 
 @functools.lru_cache(maxsize=64)
 def _stacked_prefixes(num_stages: int, num_chunks: int) -> np.ndarray:
-    """`_table_prefixes` as one array [m - S, n, chunk], each m's padded with its last row."""
-    prefixes = _table_prefixes(num_stages, num_chunks)
-    out = np.empty((len(prefixes), len(prefixes[-1]), num_chunks), dtype=np.int32)
-    for i, prefix in enumerate(prefixes):
-        out[i, : len(prefix)] = prefix
-        out[i, len(prefix) :] = prefix[-1]
+    """P_k(n) of the forward table (`costmodel.schedule.table`: group by group, chunk by chunk), the
+    forwards of chunk k among its first n entries, as one array [m - S, n, k] for m in [S, 6S),
+    each m's padded with its last row: the same for every stage of the pipeline (floats: it is
+    only ever weighted)."""
+    S, v = num_stages, num_chunks
+    out = np.empty((5 * S, (6 * S - 1) * v + 1, v))
+    out[:, 0] = 0
+    for i, m in enumerate(range(S, 6 * S)):
+        sizes = [len(group) for group in schedule.groups(S, m)]
+        chunks = np.repeat(np.tile(np.arange(v), len(sizes)), np.repeat(sizes, v))
+        np.cumsum(np.eye(v)[chunks], axis=0, out=out[i, 1 : m * v + 1])
+        out[i, m * v + 1 :] = out[i, m * v]
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _table_prefixes(num_stages: int, num_chunks: int) -> tuple[np.ndarray, ...]:
-    """P_k(n) of the forward table (`costmodel.schedule.table`), row n and column k, for each m in
-    [S, 6S): the same for every stage of the pipeline."""
-    out = []
-    for m in range(num_stages, 6 * num_stages):
-        chunks = np.array([k for _, k in schedule.table(num_stages, num_chunks, m)])
-        counts = np.cumsum(np.eye(num_chunks, dtype=np.int64)[chunks], axis=0)
-        out.append(np.vstack([np.zeros(num_chunks, dtype=np.int64), counts]))
-    return tuple(out)
 
 
 def with_interleaving(
@@ -342,16 +336,10 @@ def fastest_variant(
     """The variant of `template` (2 to MAX_CHUNKS chunks, and each chunk count, one included, with
     its backwards split) fastest at `m` micro-batches with its `overhead` (the gradient sync it
     leaves exposed: more chunks hide more of it), or None where no variant is possible."""
-    most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    variants = [
-        interleaved(template, tables, k, windows=False, split=split, memory=False)
-        for k in range(1, most + 1)
-        for split in (False, True)
-    ]
     best, least = None, math.inf
     # fastest first; the memory check and the windows (the costly parts) only for those that can
     # still win: overhead >= 0
-    for variant in sorted((v for v in variants if v), key=lambda t: t.time_s(m)):
+    for variant in sorted(_unchecked_variants(template, tables), key=lambda t: t.time_s(m)):
         if variant.time_s(m) >= least:
             break
         limit = microbatch_limit(variant.stages, tables, variant.chunks, variant.split_backward)
@@ -362,6 +350,39 @@ def fastest_variant(
         if (cost := variant.time_s(m) + overhead(variant)) < least:
             best, least = variant, cost
     return best
+
+
+def least_time_s(template: Template, tables: dict[int, StageTable], m: int) -> float:
+    """A lower bound on the time of `template` or any variant `fastest_variant` weighs, at `m`
+    micro-batches: the fastest of them before their memory check, which only removes variants.
+    Memoised: the grids of one solve ask it of the same templates at many counts."""
+    used = tuple(tables[tp] for tp in sorted({tp for _, _, tp in template.stages}))
+    lines = _LINES.get((template, *used), None, lambda: _variant_lines(template, tables))
+    return min([template.time_s(m), *(a + (m - 1) * b for a, b in lines)])
+
+
+def _variant_lines(template: Template, tables: dict[int, StageTable]) -> list[tuple[float, float]]:
+    """(A, M) of every variant `fastest_variant` weighs."""
+    if len(template.stages) < 2:
+        return []
+    shape = _Shape.of(template, tables, _links(template, tables))
+    most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
+    return [_line(shape, k, split) for k in range(1, most + 1) for split in (False, True) if k > 1 or split]
+
+
+_LINES: IdentityMemo[list[tuple[float, float]]] = IdentityMemo(limit=1 << 16)
+
+
+def _unchecked_variants(template: Template, tables: dict[int, StageTable]) -> list[Template]:
+    """Every variant of `template` that `fastest_variant` weighs (2 to MAX_CHUNKS chunks, each chunk
+    count with its backwards split), without windows or a memory check."""
+    most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
+    variants = (
+        interleaved(template, tables, k, windows=False, split=split, memory=False)
+        for k in range(1, most + 1)
+        for split in (False, True)
+    )
+    return [v for v in variants if v]
 
 
 def _links(template: Template, tables: dict[int, StageTable]) -> list[float]:

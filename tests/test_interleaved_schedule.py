@@ -228,6 +228,19 @@ def test_split_cuts_the_bubble_of_the_70b_shape():
     assert bubble([[g / v] * v] * S) == pytest.approx(0.092, abs=0.001)
 
 
+def test_the_counted_peak_is_the_walked_one():
+    """`peak_in_flight` counts what `peak_live` walks with unit weights, split or not, on every
+    shape up to 9 stages and 5 chunks, from one micro-batch to beyond 4S."""
+    for S in range(1, 10):
+        for v in range(1, 6):
+            ones = [1.0] * v
+            for m in range(1, 4 * S + 2):
+                for s in range(S):
+                    assert sc.peak_in_flight(s, S, v, m) == sc.peak_live(s, S, v, m, ones), (s, S, v, m)
+                    walked = sc.peak_live(s, S, v, m, ones, held=ones)
+                    assert sc.peak_in_flight(s, S, v, m, split=True) == walked, (s, S, v, m)
+
+
 def test_split_keeps_at_most_stage_zeros_activations():
     """Deferring s weight gradients on stage s keeps what W reads until then: counted as whole
     activations no stage holds more than stage 0 does unsplit; `held` is what B leaves for W."""
