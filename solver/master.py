@@ -36,6 +36,10 @@ S* does not increase with tau, so a staircase search needs few problems:
             s_i+1 = S*(tau_i+1); best = min(best, tau_i+1 + s_i+1)
     until there is none: best is then optimal.
 
+S*(tau_i+1) is asked only below best - tau_i+1 (a plan with more overhead there cannot beat best,
+and the next cap is at most that): where the stair has no such plan, the relaxations mostly prove
+it without CP-SAT (llama2-7b on 8,8,8,7: 5 of 6 minimisations settled, the master 0.8x the time).
+
 Most fixed-tau questions that have no plan are settled before CP-SAT by two relaxations, per
 pipeline count P: the micro-batches P pipelines can hold at all, and a knapsack of P pipelines over
 the cluster's GPUs (`Master.possible_counts`). The counts they leave are the only ones the CP-SAT
@@ -835,6 +839,11 @@ def solve_master(
         found.append((at, master.overhead_units(pipes)))
         return at
 
+    def worth(j: int, known: int) -> int:
+        """The most overhead (units) a plan within taus[j] may have to beat both the known one and
+        the best plan."""
+        return min(known - 1, master.scale(best[0] - taus[j]))
+
     def least_known(j: int) -> tuple[int, bool]:
         """The least overhead (units) of the plans found within taus[j] (a plan within the cap is
         known there), and whether the relaxations prove it least (S*(taus[j]), no CP-SAT
@@ -842,7 +851,7 @@ def solve_master(
         witness of less overhead that makes a plan is taken, and the question asked again below it."""
         while True:
             known = min(units for at, units in found if at <= j)
-            lower, pipes = master.below(taus[j], known - 1)
+            lower, pipes = master.below(taus[j], worth(j, known))
             if pipes is None:
                 return known, lower is False
             if offer(pipes, None) > j:  # a witness is split within taus[j]; if not, CP-SAT decides
@@ -885,7 +894,7 @@ def solve_master(
         j = lo
         extra, least = least_known(j)
         if not least:  # CP-SAT minimises among the plans below the known one (restricted by that cap)
-            status, least, pipes, patterns = master.solve_at(taus[j], extra - 1, left(), minimise=True)
+            status, least, pipes, patterns = master.solve_at(taus[j], worth(j, extra), left(), minimise=True)
             if status == cp_model.OPTIMAL:  # the cap is no constraint there: it may find no less
                 offer(pipes, patterns)
                 extra = min(extra, least)
