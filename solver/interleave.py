@@ -282,7 +282,7 @@ def stage_peaks(
     return peaks
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=512)  # (S, v) pairs of a solve: about 100 MB at most
 def _stacked_prefixes(num_stages: int, num_chunks: int) -> np.ndarray:
     """P_k(n) of the forward table (`costmodel.schedule.table`: group by group, chunk by chunk), the
     forwards of chunk k among its first n entries, as one array [m - S, n, k] for m in [S, 6S),
