@@ -305,7 +305,9 @@ def state_bytes(plan: Plan, dtype_bytes: int) -> dict[str, StateBytes]:
         plan.model,
         plan.optimizer,
         dtype_bytes,
-        tuple(tuple((st.chunks, st.devices, st.sequence_parallel) for st in p.stages) for p in plan.pipelines),
+        tuple(
+            tuple((st.chunks, st.devices, st.sequence_parallel) for st in p.stages) for p in plan.pipelines
+        ),
     )
     if _LAST_STATE[0] != key:
         _LAST_STATE[:] = key, _state_bytes(plan, dtype_bytes)

@@ -214,6 +214,49 @@ def test_the_coupled_relaxation_keeps_every_count_cp_sat_can_plan_and_its_witnes
     assert checked >= 50 and witnessed >= 10
 
 
+def test_plans_of_one_or_two_pipelines_are_enumerated_as_cp_sat_decides_them():
+    """`Master._pairs_at` answers the fixed-tau question for plans of one or two pipelines by
+    enumeration: on random instances it finds a plan where the CP-SAT model does and only there,
+    within the cap, covering the micro-batches and packing onto the nodes, and when minimising the
+    same least overhead."""
+    rng = random.Random(12)
+    seen = {"plan": 0, "none": 0, "least": 0}
+    for _ in range(400):
+        templates, sync, _ = _random_instance(rng, most=8)
+        capacities = rng.choice([[8], [8, 7], [4, 4, 2], [4, 4, 3], [6, 5]])
+        master = Master(templates, capacities, rng.randint(2, 8), sync, single_node=len(capacities) == 1)
+        master.set_scale(_Scale(0.001))
+        k = master.capacity(rng.uniform(2, 8))
+        live = [int(i) for i in np.flatnonzero(k)]
+        if not live:
+            continue
+        cap = rng.uniform(100, 1200)
+        counts = [P for P in (1, 2) if master.p_max >= P]
+        minimise = rng.random() < 0.4
+        enumerated = master._pairs_at(k, live, cap, minimise, counts)
+        if enumerated is None:  # it would not be placed as found: CP-SAT decides (rare)
+            continue
+        if master.most_pipelines(cap)[live].max() < 1:  # no template alone keeps the cap (no model)
+            assert enumerated[0] == cp_model.INFEASIBLE
+            continue
+        status, least, _, _ = master._model_at(k, live, cap, 10.0, minimise, counts)
+        assert enumerated[0] == status, (enumerated[0], status)
+        if status == cp_model.INFEASIBLE:
+            seen["none"] += 1
+            continue
+        found = enumerated[2]
+        held = [int(k[master.templates.index(t)]) for t in found]
+        assert len(found) in counts and sum(t.num_stages for t in found) <= master.N <= sum(held)
+        assert master.single_node or Packer(capacities).fits([r for t in found for r in t.run_sizes])
+        if minimise:
+            assert enumerated[1] == least == master.overhead_units(found)
+            seen["least"] += 1
+        else:
+            assert master.overhead_units(found) <= cap
+            seen["plan"] += 1
+    assert min(seen.values()) >= 20, seen
+
+
 def test_the_node_bound_keeps_every_count_cp_sat_can_plan_and_rules_out_some_it_cannot():
     """Runs of more than half a node take a node each (`Master._knapsack`): on random multi-node
     instances every pipeline count CP-SAT can plan survives the bound, its witnesses are plans, and

@@ -4,7 +4,6 @@ plans they become, and what choosing chunks buys."""
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 
 import solver
