@@ -762,6 +762,26 @@ class Master:
             return None  # it packs, but not as `_result` places it
         return cp_model.OPTIMAL, (int(units[at]) if minimise else None), plan, None
 
+    def _joinable(self, k: np.ndarray, live: list[int], counts: list[int], allowed: np.ndarray) -> list[int]:
+        """The templates that can be one of P pipelines for some count P left: with the other P - 1
+        holding at most the most micro-batches, needing at least the fewest GPUs and stages of the
+        templates allowing P (`most_pipelines`), it must still cover N on the cluster's GPUs."""
+        idx = np.array(live)
+        kk, G, p = k[idx], self.G[idx], self.p[idx]
+        keep = np.zeros(len(idx), dtype=bool)
+        for P in counts:
+            use = allowed[idx] >= P
+            if not use.any():
+                continue
+            others = P - 1
+            keep |= (
+                use
+                & (kk + others * kk[use].max() >= self.N)
+                & (G + others * G[use].min() <= sum(self.capacities))
+                & (p + others * p[use].min() <= self.N)
+            )
+        return [int(i) for i in idx[keep]]
+
     def _model_at(
         self,
         k: np.ndarray,
@@ -772,7 +792,9 @@ class Master:
         counts: list[int],
     ):
         allowed = self.most_pipelines(cap)
-        live = [i for i in live if allowed[i] >= counts[0]]  # the others allow no count left
+        live = self._joinable(k, live, counts, allowed)
+        if not live:
+            return cp_model.INFEASIBLE, None, None, None
         model = cp_model.CpModel()
         upper = {i: min(self.copies[i], int(allowed[i]), counts[-1]) for i in live}
         n = {i: model.NewIntVar(0, upper[i], f"n{i}") for i in live}

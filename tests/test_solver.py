@@ -236,9 +236,6 @@ def test_plans_of_one_or_two_pipelines_are_enumerated_as_cp_sat_decides_them():
         enumerated = master._pairs_at(k, live, cap, minimise, counts)
         if enumerated is None:  # it would not be placed as found: CP-SAT decides (rare)
             continue
-        if master.most_pipelines(cap)[live].max() < 1:  # no template alone keeps the cap (no model)
-            assert enumerated[0] == cp_model.INFEASIBLE
-            continue
         status, least, _, _ = master._model_at(k, live, cap, 10.0, minimise, counts)
         assert enumerated[0] == status, (enumerated[0], status)
         if status == cp_model.INFEASIBLE:
