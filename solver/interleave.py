@@ -337,16 +337,17 @@ def fastest_variant(
     its backwards split) fastest at `m` micro-batches with its `overhead` (the gradient sync it
     leaves exposed: more chunks hide more of it), or None where no variant is possible."""
     best, least = None, math.inf
-    # fastest first; the memory check and the windows (the costly parts) only for those that can
-    # still win: overhead >= 0
-    for variant in sorted(_unchecked_variants(template, tables), key=lambda t: t.time_s(m)):
-        if variant.time_s(m) >= least:
+    # fastest first, by their time lines; the variant itself, its memory check and its windows (the
+    # costly parts) only for those that can still win: overhead >= 0
+    for chunks, split, a, b in sorted(
+        _lines_of(template, tables), key=lambda line: line[2] + (m - 1) * line[3]
+    ):
+        if a + (m - 1) * b >= least:
             break
-        limit = microbatch_limit(variant.stages, tables, variant.chunks, variant.split_backward)
+        limit = microbatch_limit(template.stages, tables, chunks, split)
         if limit is None or 0 < limit < m:
             continue
-        variant = dataclasses.replace(variant, max_microbatches=limit)
-        variant = chunk_windows(variant, tables, _links(variant, tables))
+        variant = interleaved(template, tables, chunks, split=split)
         if (cost := variant.time_s(m) + overhead(variant)) < least:
             best, least = variant, cost
     return best
@@ -354,35 +355,32 @@ def fastest_variant(
 
 def least_time_s(template: Template, tables: dict[int, StageTable], m: int) -> float:
     """A lower bound on the time of `template` or any variant `fastest_variant` weighs, at `m`
-    micro-batches: the fastest of them before their memory check, which only removes variants.
-    Memoised: the grids of one solve ask it of the same templates at many counts."""
+    micro-batches: the fastest of them before their memory check, which only removes variants."""
+    return min([template.time_s(m), *(a + (m - 1) * b for _, _, a, b in _lines_of(template, tables))])
+
+
+def _lines_of(template: Template, tables: dict[int, StageTable]) -> list[tuple[int, bool, float, float]]:
+    """(chunks, split, A, M) of every variant `fastest_variant` weighs: 2 to MAX_CHUNKS chunks, each
+    chunk count (one included) with its backwards split. Memoised: a solve asks it of the same
+    templates at many micro-batch counts (the grids of `solver.baselines.deep_grids`)."""
     used = tuple(tables[tp] for tp in sorted({tp for _, _, tp in template.stages}))
-    lines = _LINES.get((template, *used), None, lambda: _variant_lines(template, tables))
-    return min([template.time_s(m), *(a + (m - 1) * b for a, b in lines)])
+    return _LINES.get((template, *used), None, lambda: _variant_lines(template, tables))
 
 
-def _variant_lines(template: Template, tables: dict[int, StageTable]) -> list[tuple[float, float]]:
-    """(A, M) of every variant `fastest_variant` weighs."""
+def _variant_lines(template: Template, tables: dict[int, StageTable]) -> list[tuple[int, bool, float, float]]:
     if len(template.stages) < 2:
         return []
     shape = _Shape.of(template, tables, _links(template, tables))
     most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    return [_line(shape, k, split) for k in range(1, most + 1) for split in (False, True) if k > 1 or split]
-
-
-_LINES: IdentityMemo[list[tuple[float, float]]] = IdentityMemo(limit=1 << 16)
-
-
-def _unchecked_variants(template: Template, tables: dict[int, StageTable]) -> list[Template]:
-    """Every variant of `template` that `fastest_variant` weighs (2 to MAX_CHUNKS chunks, each chunk
-    count with its backwards split), without windows or a memory check."""
-    most = min(MAX_CHUNKS, min(e - s for s, e, _ in template.stages))
-    variants = (
-        interleaved(template, tables, k, windows=False, split=split, memory=False)
+    return [
+        (k, split, *_line(shape, k, split))
         for k in range(1, most + 1)
         for split in (False, True)
-    )
-    return [v for v in variants if v]
+        if k > 1 or split
+    ]
+
+
+_LINES: IdentityMemo[list[tuple[int, bool, float, float]]] = IdentityMemo(limit=1 << 16)
 
 
 def _links(template: Template, tables: dict[int, StageTable]) -> list[float]:
