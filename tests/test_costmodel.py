@@ -4,6 +4,8 @@ import dataclasses
 import random
 
 import pytest
+from checkpoint_support import random_plan
+from helpers import QWEN_TINY, TIED_TINY
 from reference_1f1b import simulate_1f1b
 from synthetic import synthetic_profile
 
@@ -19,7 +21,7 @@ from costmodel.estimate import (
     in_flight,
     pipeline_time_s,
 )
-from costmodel.layout import device_pieces, sync_buckets
+from costmodel.layout import device_pieces, holder_sets, layer_params, segments, sync_buckets
 from profiler.analytic import analytic_profile
 from solver.baselines import Grid
 
@@ -306,6 +308,48 @@ def test_sync_volume_matches_the_buckets_the_runtime_reduces():
         )
         held = sum(box.numel for _, box in device_pieces(plan, device)) * FP32_BYTES
         assert ring_bytes == pytest.approx(2 * (3 - 1) / 3 * held)
+
+
+def test_holder_sets_are_every_devices_pieces_cut_at_every_holders_boundary():
+    """`holder_sets` cuts parameters alike once; against the definition, device by device (each
+    parameter cut at every boundary any holder's box has, a segment's holders those whose box
+    contains it, reduced across stages or under sequence parallelism), on random plans of plain,
+    tied and biased models, some interleaved, some with sequence-parallel stages: the same sets,
+    segments and order."""
+    rng = random.Random(3)
+    for case in range(60):
+        config = (TINY, TIED_TINY, QWEN_TINY)[case % 3]
+        plan = random_plan(rng, config)
+        pipelines = tuple(
+            dataclasses.replace(
+                pipe,
+                stages=tuple(
+                    dataclasses.replace(st, sequence_parallel=st.tp_degree > 1 and rng.random() < 0.5)
+                    for st in pipe.stages
+                ),
+            )
+            for pipe in plan.pipelines
+        )
+        plan = dataclasses.replace(plan, pipelines=pipelines)
+        rank = {d: i for i, d in enumerate(plan.devices)}
+        holders = {}
+        for device in plan.devices:
+            for spec, box in device_pieces(plan, device):
+                holders.setdefault(spec.name, (spec, []))[1].append((device, box))
+        expected = {}
+        order = [s.name for i in range(config.num_layers) for s in layer_params(config, i)]
+        for name in (n for n in order if n in holders):
+            spec, held = holders[name]
+            for segment in segments(spec, [box for _, box in held]):
+                owners = tuple(sorted((d for d, box in held if box.contains(segment)), key=rank.get))
+                sp = plan.pipelines[plan.placement(owners[0])[0]].stages[plan.placement(owners[0])[1]]
+                reduced = len({plan.placement(d) for d in owners}) > 1 or (
+                    len(owners) > 1 and sp.sequence_parallel
+                )
+                expected.setdefault(owners, (reduced, []))[1].append((spec, segment))
+        found = holder_sets(plan)
+        assert list(found) == sorted(expected, key=lambda owners: [rank[d] for d in owners])
+        assert found == expected, case
 
 
 def test_a_plan_in_another_dtype_than_its_profile_is_refused_in_one_sentence():
