@@ -150,7 +150,7 @@ def holder_sets(plan: Plan) -> dict[tuple[str, ...], tuple[bool, list[tuple[Para
 
     A parameter's segments and their holders depend only on its shape, how TP splits it and the
     stages holding it, so parameters alike in those (a block's wq in every layer that the same
-    stages hold) are cut once: on a 61-GPU plan of llama2-70b, 60 cuts instead of 723.
+    stages hold) are cut once: on a 61-GPU plan of llama2-70b, 74 cuts for its 723 parameters.
     """
     rank = {d: i for i, d in enumerate(plan.devices)}
     holding: dict[str, list[tuple[int, int]]] = defaultdict(list)  # name -> (pipeline, stage) holding it
