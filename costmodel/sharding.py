@@ -185,13 +185,23 @@ def state_boxes(plan: Plan) -> dict[str, list[tuple[ParamSpec, Box]]]:
 def _bucket_rows(plan: Plan) -> Iterator[tuple[tuple[str, ...], bool, list[Rows]]]:
     """(holders, whether reduced, rows) of every bucket, holder set by holder set in rank order, each
     set's rows in backward's order cut at layer chunks and at the bucket size."""
+    for holders, needs_reduction, run, spans in _bucket_spans(plan):
+        yield holders, needs_reduction, [run[i].take(a, b) for i, a, b in spans]
+
+
+def _bucket_spans(
+    plan: Plan,
+) -> Iterator[tuple[tuple[str, ...], bool, list[Rows], list[tuple[int, int, int]]]]:
+    """`_bucket_rows` before its rows are built: (holders, whether reduced, the run of rows the bucket
+    is cut from, and its (item of the run, first row, row past the last) spans)."""
     cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
     layer = {p.name: k for k in range(plan.model.num_layers) for p in layer_params(plan.model, k)}
     for holders, (needs_reduction, segs) in holder_sets(plan).items():
         rows = [Rows(spec, box) for spec, box in reversed(segs)]
         for run in _layer_chunk_runs(plan, holders, rows, layer):
-            for chunk in _chunks(run, cap):
-                yield holders, needs_reduction, chunk
+            shape = [(r.row_numel, r.box.sizes[r.dim]) for r in run]
+            for spans in _chunk_spans(shape, cap):
+                yield holders, needs_reduction, run, spans
 
 
 def _layer_chunk_runs(
@@ -220,12 +230,13 @@ def _layer_chunk_runs(
     return runs
 
 
-def _chunks(rows: list[Rows], cap: int) -> list[list[Rows]]:
-    """Cut a run of rows into consecutive chunks of at most `cap` elements (a row larger than `cap`
-    is a chunk of its own)."""
+def _chunk_spans(shape: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Cut a run of rows, given per item as (elements per row, rows), into consecutive chunks of at
+    most `cap` elements (a row larger than `cap` is a chunk of its own): each chunk as its (item,
+    first row, row past the last) spans."""
     chunks, current, size = [], [], 0
-    for item in rows:
-        per_row, total, at = item.row_numel, item.box.sizes[item.dim], 0
+    for i, (per_row, total) in enumerate(shape):
+        at = 0
         while at < total:
             fit = (cap - size) // per_row
             if fit == 0 and current:
@@ -233,7 +244,7 @@ def _chunks(rows: list[Rows], cap: int) -> list[list[Rows]]:
                 current, size = [], 0
                 continue
             take = min(total - at, max(fit, 1))
-            current.append(item.take(at, at + take))
+            current.append((i, at, at + take))
             size += take * per_row
             at += take
     if current:
@@ -241,18 +252,18 @@ def _chunks(rows: list[Rows], cap: int) -> list[list[Rows]]:
     return chunks
 
 
-def _cuts(chunk: list[Rows], n: int) -> tuple[list[int], list[int]]:
-    """The element offsets of a chunk's items (and its end), and the n + 1 cuts of `_deal`: cut k at
-    the row boundary nearest to k/n of the chunk's elements."""
+def _cuts(items: list[tuple[int, int]], n: int) -> tuple[list[int], list[int]]:
+    """The element offsets of a chunk's items, given as (elements, elements per row), and its end,
+    and the n + 1 cuts of `_deal`: cut k at the row boundary nearest to k/n of the chunk's elements."""
     starts = [0]
-    for r in chunk:
-        starts.append(starts[-1] + r.numel)
+    for numel, _ in items:
+        starts.append(starts[-1] + numel)
     total = starts[-1]
     cuts = [0]
     for k in range(1, n):
         target = k * total / n
-        i = min(bisect.bisect_left(starts, target, 1) - 1, len(chunk) - 1)  # first item ending at or after it
-        row = chunk[i].row_numel
+        i = min(bisect.bisect_left(starts, target, 1) - 1, len(items) - 1)  # first item ending at or after it
+        row = items[i][1]
         cut = starts[i] + round((target - starts[i]) / row) * row
         cuts.append(max(cuts[-1], min(cut, total)))
     cuts.append(total)
@@ -271,7 +282,7 @@ def _deal(chunk: list[Rows], n: int) -> tuple[tuple[Rows, ...], ...]:
     k/n of the chunk's elements."""
     if n == 1:
         return (tuple(chunk),)
-    starts, cuts = _cuts(chunk, n)
+    starts, cuts = _cuts([(r.numel, r.row_numel) for r in chunk], n)
     regions = []
     for lo, hi in pairwise(cuts):
         region = []
@@ -320,9 +331,10 @@ _LAST_STATE: list = [None, None]  # (what the state depends on, per device) of t
 def _state_bytes(plan: Plan, dtype_bytes: int) -> dict[str, StateBytes]:
     zero1 = plan.optimizer.sharding == "zero1"
     totals = {d: [0, 0, 0, 0, []] for d in plan.devices}
-    for holders, needs_reduction, chunk in _bucket_rows(plan):
+    for holders, needs_reduction, run, spans in _bucket_spans(plan):
         n = len(holders) if needs_reduction else 1
-        starts, cuts = _cuts(chunk, n)
+        items = [(run[i].row_numel * (b - a), run[i].row_numel) for i, a, b in spans]
+        starts, cuts = _cuts(items, n)
         runs = [len(_overlapping(starts, lo, hi)) for lo, hi in pairwise(cuts)]  # per region
         if zero1 and needs_reduction:  # holder i keeps region i, padded to the largest
             largest = max(hi - lo for lo, hi in pairwise(cuts))
