@@ -189,9 +189,10 @@ def _bucket_rows(plan: Plan) -> Iterator[tuple[tuple[str, ...], bool, list[Rows]
         yield holders, needs_reduction, [run[i].take(a, b) for i, a, b in spans]
 
 
-def _bucket_spans(
-    plan: Plan,
-) -> Iterator[tuple[tuple[str, ...], bool, list[Rows], list[tuple[int, int, int]]]]:
+Span = tuple[int, int, int]  # (item of a run of rows, its first row, the row past its last)
+
+
+def _bucket_spans(plan: Plan) -> Iterator[tuple[tuple[str, ...], bool, list[Rows], list[Span]]]:
     """`_bucket_rows` before its rows are built: (holders, whether reduced, the run of rows the bucket
     is cut from, and its (item of the run, first row, row past the last) spans)."""
     cap = max(1, plan.optimizer.bucket_bytes // MAIN_GRAD_BYTES)
@@ -230,7 +231,7 @@ def _layer_chunk_runs(
     return runs
 
 
-def _chunk_spans(shape: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int, int]]]:
+def _chunk_spans(shape: list[tuple[int, int]], cap: int) -> list[list[Span]]:
     """Cut a run of rows, given per item as (elements per row, rows), into consecutive chunks of at
     most `cap` elements (a row larger than `cap` is a chunk of its own): each chunk as its (item,
     first row, row past the last) spans."""

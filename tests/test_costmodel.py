@@ -342,10 +342,10 @@ def test_holder_sets_are_every_devices_pieces_cut_at_every_holders_boundary():
             spec, held = holders[name]
             for segment in segments(spec, [box for _, box in held]):
                 owners = tuple(sorted((d for d, box in held if box.contains(segment)), key=rank.get))
-                sp = plan.pipelines[plan.placement(owners[0])[0]].stages[plan.placement(owners[0])[1]]
-                reduced = len({plan.placement(d) for d in owners}) > 1 or (
-                    len(owners) > 1 and sp.sequence_parallel
-                )
+                pi, si = plan.placement(owners[0])
+                sequence_parallel = plan.pipelines[pi].stages[si].sequence_parallel
+                across = len({plan.placement(d) for d in owners}) > 1
+                reduced = across or (len(owners) > 1 and sequence_parallel)
                 expected.setdefault(owners, (reduced, []))[1].append((spec, segment))
         found = holder_sets(plan)
         assert list(found) == sorted(expected, key=lambda owners: [rank[d] for d in owners])
