@@ -259,8 +259,8 @@ class Master:
         self.m_max = np.array([t.max_microbatches or self.N for t in ts], dtype=np.int64)
         self.G = np.array([t.num_gpus for t in ts], dtype=np.int64)
         gpus = sum(self.capacities)
-        self.copies = [min(self.N // t.num_stages, gpus // t.num_gpus) for t in ts]
-        self.p_max = max(self.copies, default=0)
+        self.copies = np.array([min(self.N // t.num_stages, gpus // t.num_gpus) for t in ts], dtype=np.int64)
+        self.p_max = int(self.copies.max(initial=0))
         self.min_overhead = min((t.optimizer_s for t in ts), default=0.0)
         self.runs = [Counter(t.run_sizes) for t in ts]
         prints = sorted({t.footprint for t in ts})
@@ -399,18 +399,22 @@ class Master:
         return (self.units <= cap).sum(axis=1)  # the overhead grows with the pipeline count
 
     def copies_plan(self, tau: float, cap: float) -> tuple[int, list[Template]] | None:
-        """The cheapest plan of copies of one template within tau and overhead cap (units), if any."""
+        """The cheapest plan of copies of one template within tau and overhead cap (units), if any:
+        each template at the fewest copies that cover N (its least overhead), tried for packing in
+        order of overhead (the first template of the least)."""
         k = self.capacity(tau)
-        best = None
-        for i in np.flatnonzero(k):
-            t = self.templates[i]
-            n = max(-(-self.N // int(k[i])), self.p_min)  # fewest copies that cover N: the least overhead
-            if n * t.num_stages > self.N or n > self.copies[i]:
-                continue
-            s = int(self.units[i, n - 1])
-            if s <= cap and (best is None or s < best[0]) and self._packs([t] * n):
-                best = (s, [t] * n)
-        return best
+        (idx,) = np.nonzero(k)
+        n = np.maximum(-(-self.N // k[idx]), self.p_min)
+        fits = (n * self.p[idx] <= self.N) & (n <= self.copies[idx])
+        idx, n = idx[fits], n[fits]
+        units = self.units[idx, n - 1]
+        within = units <= cap
+        idx, n, units = idx[within], n[within], units[within]
+        for at in np.argsort(units, kind="stable"):
+            pipes = [self.templates[idx[at]]] * int(n[at])
+            if self._packs(pipes):
+                return int(units[at]), pipes
+        return None
 
     def _packs(self, pipes: Sequence[Template]) -> bool:
         runs = tuple(sorted((r for t in pipes for r in t.run_sizes), reverse=True))
@@ -443,22 +447,33 @@ class Master:
         # coverage per number of templates entered (those that allow the most pipelines first)
         k_max = np.maximum.accumulate(kk)
         per_gpu_max = np.maximum.accumulate(kk / width)
-        all_copies = np.cumsum(np.minimum(np.array(self.copies)[live][order], most) * kk)
+        all_copies = np.cumsum(np.minimum(self.copies[live][order], most) * kk)
         fewest_stages = np.minimum.accumulate(self.p[live][order])
+        # A template enters the knapsack only if it holds more than every one of as many GPUs or
+        # fewer entered before it: swapping it for that one leaves a plan on no more GPUs that
+        # holds no less, so it raises no row's best.
+        g_values, g_of = np.unique(width, return_inverse=True)
+        by_width = np.full((len(g_values), len(kk)), -np.inf)
+        by_width[g_of, np.arange(len(kk))] = kk
+        most_held = np.maximum.accumulate(np.maximum.accumulate(by_width, axis=0), axis=1)
+        before = np.r_[-np.inf, most_held[g_of[1:], np.arange(len(kk) - 1)]]  # earlier, as wide or less
+        entering = np.flatnonzero(kk > before).tolist()
+        allowing = len(most) - np.searchsorted(most[::-1], np.arange(top + 1), side="left")  # most >= P
         held = np.full((top + 1, gpus + 1), -np.inf)  # most micro-batches of c pipelines on g GPUs
         held[0, 0] = 0.0
-        entered = np.full(gpus + 1, -np.inf)  # the largest capacity entered so far per GPU count
         at, out = 0, []
         for P in range(top, self.p_min - 1, -1):
-            while at < len(most) and most[at] >= P:
-                g, value = int(width[at]), kk[at]
+            last = int(allowing[P]) - 1  # the templates that allow P
+            while at < len(entering) and entering[at] <= last:
+                g, value = int(width[entering[at]]), kk[entering[at]]
                 at += 1
-                if value <= entered[g]:
-                    continue  # a template of as many GPUs that holds as much is in already
-                entered[g] = value
-                for c in range(1, P + 1):  # any number of copies (rows above P are read already)
-                    np.maximum(held[c, g:], held[c - 1, : gpus + 1 - g] + value, out=held[c, g:])
-            last = at - 1  # the templates that allow P
+                before = held[:P, : gpus + 1 - g].copy()  # what j >= 1 copies read (rows above P: done)
+                for j in range(1, min(P, gpus // g) + 1):  # j copies of it beside c - j others
+                    np.maximum(
+                        held[j : P + 1, j * g :],
+                        before[: P + 1 - j, : gpus + 1 - j * g] + j * value,
+                        out=held[j : P + 1, j * g :],
+                    )
             covered = min(P * k_max[last], gpus * per_gpu_max[last], all_copies[last])
             if covered >= self.N and P * fewest_stages[last] <= self.N and held[P].max() >= self.N:
                 out.append(P)
@@ -486,7 +501,7 @@ class Master:
         idx = np.array(live)
         kk, width, stages = k[idx].astype(float), self.G[idx], self.p[idx]
         hide, opt = self.hide_units[idx], self.optimizer_units[idx]
-        copies = np.array(self.copies)[idx]
+        copies = self.copies[idx]
         left = []
         for P in counts:
             row = P - 1
@@ -554,22 +569,34 @@ class Master:
         first row of each distinct row, the (GPUs, big runs) items, each distinct row's capacity
         per item)."""
         gpus = sum(self.capacities)
-        items = sorted({(g, b) for g, b in zip(width.tolist(), big.tolist(), strict=True) if b <= slots})
+        (kept,) = np.nonzero(big <= slots)
+        keys = width[kept] * (slots + 1) + big[kept]  # one item per (GPUs, big runs), in that order
+        order = np.argsort(keys, kind="stable")
+        kept, keys = kept[order], keys[order]
+        starts = np.flatnonzero(np.diff(keys, prepend=-1))
+        items = [(int(key) // (slots + 1), int(key) % (slots + 1)) for key in keys[starts]]
+        if not items:  # every template has more big runs than the nodes that take them
+            return np.zeros(1, dtype=bool), None, None, items, None
         if slots and len(admissible) * len(items) * P * (slots + 1) * (gpus + 1) > KNAPSACK_CELLS:
             return None  # (before the rows are made distinct: the nodes' bound is only worth a little)
-        reach = np.where(admissible, kk, -np.inf)  # items no admissible template has: none
-        best = np.stack([reach[:, (width == g) & (big == b)].max(axis=1) for g, b in items], axis=1)
-        best, first = np.unique(best, axis=0, return_index=True)
+        reach = np.where(admissible[:, kept], kk[kept], -np.inf)  # items no admissible template has: none
+        best = np.maximum.reduceat(reach, starts, axis=1)
+        # distinct rows, in lexicographic order, each with its first row
+        rank = np.lexsort(best.T[::-1])
+        fresh = np.r_[True, (best[rank[1:]] != best[rank[:-1]]).any(axis=1)]
+        best, first = best[rank[fresh]], rank[fresh]
         if best.size * P * (slots + 1) * (gpus + 1) > KNAPSACK_CELLS:
             return None
         table = np.full((len(best), P + 1, slots + 1, gpus + 1), -np.inf)
         table[:, 0, 0, 0] = 0.0
         for (g, b), value in zip(items, best.T, strict=True):
-            for c in range(1, P + 1):  # any number of copies
+            before = table[:, :P, : slots + 1 - b, : gpus + 1 - g].copy()  # what j >= 1 copies read
+            for j in range(1, min(P, gpus // g, slots // b if b else P) + 1):  # j copies of the item
                 np.maximum(
-                    table[:, c, b:, g:],
-                    table[:, c - 1, : slots + 1 - b, : gpus + 1 - g] + value[:, None, None],
-                    out=table[:, c, b:, g:],
+                    table[:, j:, j * b :, j * g :],
+                    before[:, : P + 1 - j, : slots + 1 - j * b, : gpus + 1 - j * g]
+                    + j * value[:, None, None, None],
+                    out=table[:, j:, j * b :, j * g :],
                 )
         reached = table[:, P].reshape(len(best), -1).max(axis=1) >= self.N
         return reached, table, first, items, best
@@ -796,7 +823,7 @@ class Master:
         if not live:
             return cp_model.INFEASIBLE, None, None, None
         model = cp_model.CpModel()
-        upper = {i: min(self.copies[i], int(allowed[i]), counts[-1]) for i in live}
+        upper = {i: min(int(self.copies[i]), int(allowed[i]), counts[-1]) for i in live}
         n = {i: model.NewIntVar(0, upper[i], f"n{i}") for i in live}
         model.Add(sum(int(self.p[i]) * n[i] for i in live) <= self.N)
         model.Add(sum(int(k[i]) * n[i] for i in live) >= self.N)
@@ -1021,7 +1048,7 @@ def _copies_incumbent(master: Master) -> tuple[float, list[Template], None] | No
     """
     best = None
     for i, t in enumerate(master.templates):
-        lo, hi = 0, master.copies[i]  # copies that pack: the largest such n, by bisection
+        lo, hi = 0, int(master.copies[i])  # copies that pack: the largest such n, by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if master._packs([t] * mid) else (lo, mid - 1)

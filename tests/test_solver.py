@@ -295,6 +295,82 @@ def test_the_node_bound_keeps_every_count_cp_sat_can_plan_and_rules_out_some_it_
     assert checked >= 50 and ruled_out >= 5 and witnessed >= 10, (checked, ruled_out, witnessed)
 
 
+def _best_multisets(values, widths, bigs, most: int, gpus: int, slots: int) -> dict:
+    """(items, big runs, GPUs) -> the most total value of that many items (copies allowed) on
+    exactly those GPUs and big runs, by enumerating every multiset."""
+    best = {(0, 0, 0): 0.0}
+    for c in range(1, most + 1):
+        for chosen in itertools.combinations_with_replacement(range(len(values)), c):
+            g, b = sum(widths[i] for i in chosen), sum(bigs[i] for i in chosen)
+            if g <= gpus and b <= slots:
+                key = (c, b, g)
+                best[key] = max(best.get(key, -math.inf), sum(values[i] for i in chosen))
+    return best
+
+
+def test_the_relaxations_knapsacks_are_the_best_multisets():
+    """`Master.possible_counts` enters only the templates that raise a knapsack entry, and
+    `Master._knapsack` adds each item's copies at once: on random instances the counts left are the
+    ones the relaxations' definition leaves (every multiset enumerated), and every table entry is
+    the best multiset of that many items on exactly those GPUs and big runs."""
+    rng = random.Random(21)
+    counted = tables = 0
+    for _ in range(120):
+        templates, sync, _ = _random_instance(rng, most=7)
+        capacities = rng.choice([[8], [4, 4, 3], [6, 6, 5], [8, 8, 8, 7]])
+        master = Master(templates, capacities, rng.randint(4, 16), sync, single_node=len(capacities) == 1)
+        master.set_scale(_Scale(0.001))
+        k = master.capacity(rng.uniform(2, 8))
+        live = [int(i) for i in np.flatnonzero(k)]
+        if not live:
+            continue
+        gpus, cap = sum(capacities), rng.uniform(100, 1200)
+        allowed = master.most_pipelines(cap)
+        expected = []
+        for P in range(master.p_min, int(allowed[live].max()) + 1):
+            usable = [i for i in live if allowed[i] >= P]
+            held = [int(k[i]) for i in usable]
+            covered = min(
+                P * max(held),
+                gpus * max(int(k[i]) / int(master.G[i]) for i in usable),
+                sum(min(int(master.copies[i]), int(allowed[i])) * int(k[i]) for i in usable),
+            )
+            best = _best_multisets(held, [int(master.G[i]) for i in usable], [0] * len(usable), P, gpus, 0)
+            most = max((v for (c, _, _), v in best.items() if c == P), default=-math.inf)
+            if (
+                covered >= master.N
+                and P * min(int(master.p[i]) for i in usable) <= master.N
+                and most >= master.N
+            ):
+                expected.append(P)
+        assert master.possible_counts(k, live, cap) == expected
+        counted += bool(expected)
+        idx = np.array(live)
+        admissible = np.array([[rng.random() < 0.7 for _ in live] for _ in range(3)])
+        for big, slots in ((np.zeros(len(idx), np.int64), 0), (master.big[idx], master.big_slots)):
+            P = rng.randint(1, 4)
+            found = master._knapsack(admissible, k[idx].astype(float), master.G[idx], big, slots, P)
+            reached, table, first, _, _ = found
+            for row in range(len(admissible)):  # each row's question is one of the distinct rows'
+                members = np.flatnonzero(admissible[row])
+                best = _best_multisets(
+                    [float(k[idx[m]]) for m in members],
+                    [int(master.G[idx[m]]) for m in members],
+                    [int(big[m]) for m in members],
+                    P,
+                    gpus,
+                    slots,
+                )
+                dense = np.full(table.shape[1:], -np.inf)
+                for key, value in best.items():
+                    dense[key] = value
+                (same,) = np.nonzero([np.array_equal(dense, t) for t in table])
+                assert len(same) == 1 and (row not in first or first[same[0]] == row)
+                assert reached[same[0]] == (dense[P].max() >= master.N)
+                tables += 1
+    assert counted >= 30 and tables >= 100, (counted, tables)
+
+
 def test_minimisations_the_relaxations_settle_skip_cp_sat_and_change_no_answer(monkeypatch):
     """At each step the staircase needs S*(tau), the least overhead at tau. Where no relaxation
     admits less than a plan already found (`Master.below`), that plan's overhead is S* and CP-SAT
