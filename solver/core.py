@@ -27,8 +27,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from costmodel import ClusterSpec, Pipeline, Plan
 from costmodel.cluster import parse_device
 from costmodel.estimate import CostModel, HideTerms, SyncCost, steady_period_s
@@ -106,21 +104,21 @@ def usable_micro_batch_sizes(
 def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]:
     """The gradient sync of a pipeline of template t in a plan of P pipelines (`CostModel.sync` of
     its widest stage W and first layer L, in the planned optimizer layout); with the template's
-    window H, `costmodel.estimate.plan_sync_s` prices a plan. `.many(P, templates)` gives, per
-    template, what it leaves exposed behind its own window (a lower bound in any plan)."""
+    window H, `costmodel.estimate.plan_sync_s` prices a plan. `.key(t)`: templates of one key
+    sync alike (the master asks once per key)."""
 
     @functools.cache
     def priced(num_pipelines: int, params: int, last_params: int, terms: HideTerms) -> SyncCost:
         return pipeline_sync(cm, inter_node, num_pipelines, params, last_params, terms)
 
+    def key(template: Template) -> tuple:
+        # the sizes it depends on: templates share them (and hashing a template is slow)
+        return template.max_params, template.last_params, template.hide_terms
+
     def cost(num_pipelines: int, template: Template) -> SyncCost:
-        # by the sizes it depends on: templates share them (and hashing a template is slow)
-        return priced(num_pipelines, template.max_params, template.last_params, template.hide_terms)
+        return priced(num_pipelines, *key(template))
 
-    def many(num_pipelines: int, templates: Sequence[Template]) -> np.ndarray:
-        return np.array([cost(num_pipelines, t).exposed_s(t.hide_s) for t in templates], dtype=float)
-
-    cost.many = many
+    cost.key = key
     return cost
 
 

@@ -118,13 +118,12 @@ def test_balance_minimises_the_slowest_pipeline():
 
 
 def _sync_by_template(reduce_of):
-    """A sync rule for hand-made templates: reduce_of(P, template) seconds, nothing unhidable (with
-    `.many`, as `solver.core.sync` gives it)."""
+    """A sync rule for hand-made templates: reduce_of(P, template) seconds, nothing unhidable (each
+    template its own: no `.key`, which `solver.core.sync` gives)."""
 
     def sync(P, t):
         return SyncCost(reduce_of(P, t), 0.0, 0.0)
 
-    sync.many = lambda P, templates: np.array([sync(P, t).exposed_s(t.hide_s) for t in templates])
     return sync
 
 
