@@ -93,6 +93,7 @@ UNITS_PER_BOUND = 1e13  # integer units for the incumbent's step time
 # cells (windows x GPU sizes x pipelines x GPUs): 8+7 and 8,8,8,7 need thousands; on 987 GPUs the
 # knapsack for every count took 6.4 s of a 19 s solve (with chunks), coverage alone 0.45 s.
 KNAPSACK_CELLS = 2_000_000
+CALL_CELLS = 5000  # a numpy call's overhead in cells updated (`_add_copies`: ~2.6 us, ~0.5 ns a cell)
 SAMPLE_EVERY = 16  # Master.least_overhead evaluates its bound at every this many candidates first
 
 
@@ -481,13 +482,7 @@ class Master:
             while at < len(entering) and entering[at] <= last:
                 g, value = int(width[entering[at]]), kk[entering[at]]
                 at += 1
-                before = held[:P, : gpus + 1 - g].copy()  # what j >= 1 copies read (rows above P: done)
-                for j in range(1, min(P, gpus // g) + 1):  # j copies of it beside c - j others
-                    np.maximum(
-                        held[j : P + 1, j * g :],
-                        before[: P + 1 - j, : gpus + 1 - j * g] + j * value,
-                        out=held[j : P + 1, j * g :],
-                    )
+                _add_copies(held[None, :, None, :], value[None], g, 0, P)  # rows above P are read already
             covered = min(P * k_max[last], gpus * per_gpu_max[last], all_copies[last])
             if covered >= self.N and P * fewest_stages[last] <= self.N and held[P].max() >= self.N:
                 out.append(P)
@@ -611,14 +606,7 @@ class Master:
         table = np.full((len(best), P + 1, slots + 1, gpus + 1), -np.inf)
         table[:, 0, 0, 0] = 0.0
         for (g, b), value in zip(items, best.T, strict=True):
-            before = table[:, :P, : slots + 1 - b, : gpus + 1 - g].copy()  # what j >= 1 copies read
-            for j in range(1, min(P, gpus // g, slots // b if b else P) + 1):  # j copies of the item
-                np.maximum(
-                    table[:, j:, j * b :, j * g :],
-                    before[:, : P + 1 - j, : slots + 1 - j * b, : gpus + 1 - j * g]
-                    + j * value[:, None, None, None],
-                    out=table[:, j:, j * b :, j * g :],
-                )
+            _add_copies(table, value, g, b, P)
         reached = table[:, P].reshape(len(best), -1).max(axis=1) >= self.N
         return reached, table, first, items, best
 
@@ -911,6 +899,40 @@ class Master:
         patterns = [(c, q, solver.Value(y)) for c, q, y in ys]
         value = solver.Value(x) + solver.Value(o) if minimise else None
         return status, value, pipes, patterns
+
+
+def _add_copies(table: np.ndarray, value: np.ndarray, g: int, b: int, P: int) -> None:
+    """Add any number of copies of an item of `g` GPUs and `b` big runs, holding `value` per row,
+    to the knapsack `table` [row, items, big runs, GPUs] (the most capacity of that many items on
+    exactly that many), in place, for rows of at most P items.
+
+    One update per item count c (from c - 1, in order, so copies stack), or one per number j of
+    copies at once (from the table before the item): the first does P updates of a row each, the
+    second at most the copies that fit, of P + 1 - j rows each. Each is taken where it costs less,
+    a numpy call counting as CALL_CELLS cells: on 8,8,8,7 the copies that fit are few (large g),
+    on 987 GPUs a count of 100 pipelines makes the second quadratic."""
+    slots, gpus = table.shape[2] - 1, table.shape[3] - 1
+    most = min(P, gpus // g, slots // b if b else P)
+    if most < 1:
+        return
+    row = len(table) * (slots + 1 - b) * (gpus + 1 - g)  # cells a row's update touches, at most
+    by_copies = most * CALL_CELLS + row * (most * (2 * P + 1 - most)) // 2
+    if by_copies < P * (CALL_CELLS + row):
+        before = table[:, :P, : slots + 1 - b, : gpus + 1 - g].copy()  # what j >= 1 copies read
+        for j in range(1, most + 1):
+            np.maximum(
+                table[:, j : P + 1, j * b :, j * g :],
+                before[:, : P + 1 - j, : slots + 1 - j * b, : gpus + 1 - j * g]
+                + j * value[:, None, None, None],
+                out=table[:, j : P + 1, j * b :, j * g :],
+            )
+        return
+    for c in range(1, P + 1):
+        np.maximum(
+            table[:, c, b:, g:],
+            table[:, c - 1, : slots + 1 - b, : gpus + 1 - g] + value[:, None, None],
+            out=table[:, c, b:, g:],
+        )
 
 
 def _knapsack_items(table: np.ndarray, items: list[tuple[int, int | None]], values: list[float], count: int):
