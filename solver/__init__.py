@@ -551,11 +551,15 @@ def _elastor(
 
     Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
     and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must
-    never lose to dropping the partial nodes. Its search is a whole solve, so it runs after Elastor's
-    and looks only for a plan faster than Elastor's answer (bounded that way, most of its
-    sub-problems end at their first lower bound); where it finds one, Elastor's search runs again
-    with its pipelines joined. A node-drop search memoised by an earlier solve (`_dropped`: a
-    what-if sweep, `--compare`) seeds the search from the start instead.
+    never lose to dropping the partial nodes. Its search is a whole solve, so it looks only for a
+    plan faster than Elastor's (bounded that way, most of its sub-problems end at their first
+    lower bound): where Elastor's search forks a child for the larger micro-batch sizes, the
+    child runs it once those are answered, below the best plan it knows then (a core that would
+    sit idle while the parent's master works: llama2-7b on 8,8,8,7 waited 0.33 s for it after the
+    search), else it runs after Elastor's search, below its answer. Where it finds a faster plan
+    (it finds the same one below either bound), Elastor's search runs again with its pipelines
+    joined. A node-drop search memoised by an earlier solve (`_dropped`: a what-if sweep,
+    `--compare`) seeds the search from the start instead.
 
     With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
     first (`_searched`)."""
@@ -574,13 +578,35 @@ def _elastor(
     )
     if known is not None and known.plan is not None:
         found.append((known.objective_s, known.plan))
+    ahead = partial and known is None  # node-drop's search, in a forked child's idle time if it can
+
+    def dropped_below(bound: float) -> Outcome:
+        return _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode, min(upper_bound_s, bound))
+
     outcome = _searched(
-        profile, cluster, gbs, sizes, time_limit_s, limits, mode, found, upper_bound_s, progress
+        profile,
+        cluster,
+        gbs,
+        sizes,
+        time_limit_s,
+        limits,
+        mode,
+        found,
+        upper_bound_s,
+        progress,
+        idle=dropped_below if ahead else None,
     )
-    if not partial or known is not None:
+    if not ahead:
         return outcome
+    child, outcome = outcome.idle, dataclasses.replace(outcome, idle=None)
     bound = min(upper_bound_s, outcome.objective_s)
-    dropped = _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode, bound)
+    try:
+        dropped = child.idle_answer() if child is not None else None
+    finally:
+        if child is not None:
+            child.close()
+    if dropped is None:  # no child took it up (or it failed): the search below Elastor's answer
+        dropped = dropped_below(bound)
     if dropped.plan is None or dropped.objective_s >= bound:
         return outcome
     found.append((dropped.objective_s, dropped.plan))
@@ -588,7 +614,7 @@ def _elastor(
 
 
 def _searched(
-    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, upper_bound_s, progress
+    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, upper_bound_s, progress, idle=None
 ) -> Outcome:
     """Elastor's search of pass `mode`, seeded with the (step time, plan) pairs `found`.
 
@@ -597,7 +623,8 @@ def _searched(
     proven optimum with chunks is no slower than the optimum without. A search with chunks stopped
     by its time limit proves nothing: the search without chunks then runs, seeded with its plan and
     looking only for a faster one, so the answer is never slower than the search without chunks
-    would give."""
+    would give. `idle` goes to the first search (`solver.core.search`), and its Outcome's child to
+    the answer."""
     search_with = functools.partial(
         _seeded_search,
         profile,
@@ -611,23 +638,40 @@ def _searched(
     )
     plain = dataclasses.replace(mode, interleave=False)
     if not mode.interleave or not block_uniform(profile):
-        return search_with(plain, found)
-    chunked = search_with(mode, found)
+        return search_with(plain, found, idle=idle)
+    chunked = search_with(mode, found, idle=idle)
     if chunked.proven:
         return chunked
     if chunked.plan is not None:
         found = [*found, (chunked.objective_s, chunked.plan)]
-    outcome = search_with(plain, found)
+    try:
+        outcome = search_with(plain, found)
+    except BaseException:
+        if chunked.idle is not None:
+            chunked.idle.close()
+        raise
     return dataclasses.replace(
         outcome,
         bound_s=min(outcome.bound_s, chunked.bound_s),
         proven=False,  # the search with chunks was stopped by its time limit
         num_templates=outcome.num_templates + chunked.num_templates,
+        idle=chunked.idle,
     )
 
 
 def _seeded_search(
-    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, *, upper_bound_s, progress
+    profile,
+    cluster,
+    gbs,
+    sizes,
+    time_limit_s,
+    limits,
+    mode: Pass,
+    found,
+    *,
+    upper_bound_s,
+    progress,
+    idle=None,
 ) -> Outcome:
     """Elastor's search of pass `mode` seeded with the (step time, plan) pairs `found`: their
     pipelines join the templates and the best of them bounds the search (`_elastor`)."""
@@ -643,6 +687,7 @@ def _seeded_search(
         mode=mode,
         upper_bound_s=min(upper_bound_s, best[0] if best else math.inf),
         progress=progress,
+        idle=idle,
     )
     # No faster plan: the best baseline is the answer, proven optimal in the family with the seeds'
     # pipelines where every sub-problem closed (a search stopped by the time limit proves nothing).

@@ -80,6 +80,9 @@ class Outcome:
     proven: bool  # every sub-problem solved to optimality (or shown not to beat the plan)
     num_templates: int
     limits: Limits  # the space searched: complete, or the family it was bounded to
+    # the forked child still running the search's `idle` work (its caller takes `idle_answer()` or
+    # stops it with `close()`); None where no child took it up
+    idle: "_Ahead | None" = None
 
 
 def tp_degrees(profile: ModelProfile, cluster: ClusterSpec) -> list[int]:
@@ -299,32 +302,43 @@ class _JobAnswer:
 
 class _Ahead:
     """Answers of sub-problems solved ahead in a forked process (solver.parallel): `take` of one of
-    the child's jobs waits for all its answers; None for a job it did not answer (or if it died)."""
+    the child's jobs waits for all its answers; None for a job it did not answer (or if it died).
+    `idle_answer` waits for what the child did after them (`search`'s `idle`)."""
 
     def __init__(self, child: Forked, jobs: list):
-        self._child: Forked | None = child
+        self._child = child
         self._jobs = set(jobs)
-        self._answers: dict = {}
+        self._answers: dict | None = None  # not received yet
 
     def take(self, job) -> "_JobAnswer | None":
-        if self._child is not None and job in self._jobs:
-            self._answers = self._child.result() or {}
-            self._child = None
+        if job not in self._jobs:
+            return None
+        self._receive()
         return self._answers.pop(job, None)
 
+    def idle_answer(self):
+        self._receive()
+        return self._child.then_result()
+
     def close(self) -> None:
-        """Stop the child if its answers were not needed (a bound settled its jobs, or an error)."""
-        if self._child is not None:
-            self._child.cancel()
-            self._child = None
+        """Stop the child if it still runs (a bound settled its jobs, its idle work is not needed,
+        or an error)."""
+        self._child.cancel()
+
+    def _receive(self) -> None:
+        if self._answers is None:
+            self._answers = self._child.result() or {}
 
 
-def _fork_jobs(jobs, limits: Limits, upper_bound_s: float, quick_bound, solve_job, deadline: float):
+def _fork_jobs(
+    jobs, limits: Limits, upper_bound_s: float, quick_bound, solve_job, deadline: float, idle=None
+):
     """Where two processes may run (solver.parallel) and the templates are skeletal (they do not
     depend on the incumbent), the sub-problems of the larger half of the micro-batch sizes, solved
     in a forked child below `upper_bound_s` while the caller solves the rest; else None. The
     caller merges them in order, so the answer is the one-process search's (a child's master,
-    bounded less tightly, finds the same optimum or proves the same bound)."""
+    bounded less tightly, finds the same optimum or proves the same bound). With `idle`, the child
+    then runs `idle(bound)`, the bound being the least of `upper_bound_s` and its own answers."""
     sizes = sorted({mbs for mbs, _ in jobs})
     later = [job for job in jobs if job[0] in sizes[(len(sizes) + 1) // 2 :]]
     later = [job for job in later if quick_bound(*job) < upper_bound_s]
@@ -340,7 +354,11 @@ def _fork_jobs(jobs, limits: Limits, upper_bound_s: float, quick_bound, solve_jo
                 incumbent = min(incumbent, answer.result.objective_s)
         return answers
 
-    return _Ahead(Forked(work), later)
+    def then(answers: dict):
+        found = [a.result.objective_s for a in answers.values() if a.result is not None]
+        return idle(min([upper_bound_s, *found]))
+
+    return _Ahead(Forked(work, then if idle is not None else None), later)
 
 
 def search(
@@ -355,9 +373,12 @@ def search(
     seeds: Sequence[Plan] = (),
     mode: Pass | None = None,
     progress: Callable[[str], None] | None = None,
+    idle: Callable[[float], object] | None = None,
 ) -> Outcome:
     """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan. `progress`
     receives a line after each sub-problem solved (its time, proof, and the best plan so far).
+    `idle(bound)`: work for the forked child once its sub-problems are answered (`_fork_jobs`),
+    which the Outcome hands on (`Outcome.idle`) where a child took it up.
 
     The pipelines of `seeds` (plans of other methods) join the templates of their micro-batch size,
     so a bounded search never returns a plan slower than any of them.
@@ -426,7 +447,8 @@ def search(
     deadline = started + time_limit_s
     best: tuple[float, int, MasterResult] | None = None
     bounds, proven, num_templates = [], True, 0
-    ahead = _fork_jobs(jobs, limits, upper_bound_s, quick_bound, solve_job, deadline)
+    ahead = _fork_jobs(jobs, limits, upper_bound_s, quick_bound, solve_job, deadline, idle)
+    handed = None  # the child, where it runs `idle` on for the caller
     try:
         for mbs, inter in jobs:
             incumbent = min(upper_bound_s, best[0] if best else math.inf)
@@ -455,11 +477,14 @@ def search(
                     f"{answer.num_templates} templates, {proof} "
                     f"(bound {answer.bound:.4f} s/step); best so far {so_far}"
                 )
+        if best is None:
+            outcome = Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates, limits)
+        else:
+            objective, mbs, result = best
+            plan = place(cm, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
+            outcome = Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)
+        handed = ahead if idle is not None else None
     finally:
-        if ahead is not None:
+        if ahead is not None and handed is None:
             ahead.close()
-    if best is None:
-        return Outcome(None, math.inf, min(bounds, default=math.inf), proven, num_templates, limits)
-    objective, mbs, result = best
-    plan = place(cm, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
-    return Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)
+    return dataclasses.replace(outcome, idle=handed)

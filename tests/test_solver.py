@@ -8,6 +8,7 @@ import multiprocessing
 import random
 import sys
 import threading
+import time
 
 import numpy as np
 import pandas as pd
@@ -20,7 +21,7 @@ import solver
 from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.estimate import CostModel, SyncCost
 from profiler.analytic import analytic_profile
-from solver import parallel, whatif
+from solver import core, parallel, whatif
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
 from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s, solve_master
@@ -560,9 +561,9 @@ def test_a_search_in_two_processes_finds_the_plan_of_one(p7, counts, monkeypatch
     started = []
     real = parallel.Forked.__init__
 
-    def counted(self, work):
+    def counted(self, work, then=None):
         started.append(work)
-        real(self, work)
+        real(self, work, then)
 
     monkeypatch.setattr(parallel.Forked, "__init__", counted)
     monkeypatch.setenv(parallel.ENV, "2")
@@ -577,14 +578,59 @@ def test_a_child_that_dies_leaves_its_sub_problems_to_the_parent(p7, monkeypatch
     real = parallel.Forked.__init__
     killed = []
 
-    def dying(self, work):
-        real(self, work)
+    def dying(self, work, then=None):
+        real(self, work, then)
         self._child.kill()  # no answer comes back: the parent must solve those jobs itself
         killed.append(self)
 
     monkeypatch.setattr(parallel.Forked, "__init__", dying)
     monkeypatch.setenv(parallel.ENV, "2")
     assert _plan_summary(solver.solve(p7, cluster, 128)) == _plan_summary(alone) and killed
+
+
+def test_a_forked_child_runs_its_then_work_once_it_has_answered():
+    """`Forked(work, then)`: the child sends work's answer, then runs then(answer) and sends that;
+    a failing `then` gives None, and `cancel` stops a child still at it."""
+    child = parallel.Forked(lambda: 3, then=lambda value: value * 2)
+    assert child.result() == 3 and child.then_result() == 6
+    failing = parallel.Forked(lambda: 3, then=lambda value: value / 0)
+    assert failing.result() == 3 and failing.then_result() is None
+    busy = parallel.Forked(lambda: 3, then=lambda value: time.sleep(60))
+    assert busy.result() == 3
+    started = time.perf_counter()
+    busy.cancel()
+    assert time.perf_counter() - started < 10 and not busy._child.is_alive()
+    plain = parallel.Forked(lambda: 3)
+    assert plain.result() == 3 and plain.then_result() is None
+
+
+def test_node_drops_search_runs_in_the_forked_childs_idle_time(p7, monkeypatch):
+    """Where Elastor's search forks a child for the larger micro-batch size, the child runs
+    node-drop's search once that is answered, below the best plan it knows then; the parent takes
+    its answer and never searches the full nodes itself, and the plan is the one-process plan."""
+    cluster = ClusterSpec.parse("8,8,8,7", p7.device_kind)
+    monkeypatch.setenv(parallel.ENV, "1")
+    alone = solver.solve(dataclasses.replace(p7), cluster, 128)
+    monkeypatch.setenv(parallel.ENV, "2")
+    searched, answers = [], []
+    real_elastor, real_answer = solver._elastor, core._Ahead.idle_answer
+
+    def spy(profile, cluster, *args):
+        searched.append(len(cluster.devices))
+        return real_elastor(profile, cluster, *args)
+
+    def answered(self):
+        answers.append(real_answer(self))
+        return answers[-1]
+
+    monkeypatch.setattr(solver, "_elastor", spy)
+    monkeypatch.setattr(core._Ahead, "idle_answer", answered)
+    forked = solver.solve(dataclasses.replace(p7), cluster, 128)  # a profile no solve has seen
+    assert _plan_summary(forked) == _plan_summary(alone)
+    assert searched == [31]  # the full nodes were searched in the child only
+    (dropped,) = answers
+    assert dropped is not None and dropped.limits == core.plan_limits(p7, [8, 8, 8])
+    assert dropped.plan is None or dropped.objective_s >= forked.predicted["step_time_s"] * (1 - 1e-12)
 
 
 def test_the_process_count_follows_the_environment_and_stays_at_one_beside_torch(monkeypatch):
@@ -683,8 +729,10 @@ def test_skeletons_of_one_tp_group_per_node_go_deeper():
 
 
 def test_elastor_searches_the_full_nodes_only_for_a_plan_faster_than_its_own(p7, monkeypatch):
-    """Node-drop's search runs after Elastor's, bounded by Elastor's answer; a node-drop search an
-    earlier solve memoised (a sweep, `--compare`) seeds Elastor's instead, with no search again."""
+    """In one process node-drop's search runs after Elastor's, bounded by Elastor's answer; a
+    node-drop search an earlier solve memoised (a sweep, `--compare`) seeds Elastor's instead, with
+    no search again."""
+    monkeypatch.setenv(parallel.ENV, "1")  # (in two, a forked child runs it: the test below)
     cluster = ClusterSpec.parse("8,8,7", p7.device_kind)
     profile = dataclasses.replace(p7)  # a profile no solve has seen: nothing memoised for it
     searched = []
