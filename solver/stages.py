@@ -91,7 +91,15 @@ def exchanges_s(
 def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     """A `StageCost` whose fields are [s, e] arrays over all ranges (entries with e <= s are 0)."""
     num_layers = cm.model.num_layers
-    singles = [cm.planned(i, i + 1, tp, mbs) for i in range(num_layers)]
+    # A layer's cost is its kind's (an embedding first, a head last, blocks of one shape between)
+    # at its profiled cost: layers alike in both are priced once (a block-uniform profile: 3 of 80).
+    alike: dict[tuple, StageCost] = {}
+    singles = []
+    for i in range(num_layers):
+        key = (cm.model.layer_kind(i), cm.profile.cost(i, mbs, tp))
+        if key not in alike:
+            alike[key] = cm.planned(i, i + 1, tp, mbs)
+        singles.append(alike[key])
 
     def summed(field: str) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum([float(getattr(c, field)) for c in singles])])

@@ -37,9 +37,12 @@ TINY = PRESETS["gpt-tiny"]
 @pytest.mark.parametrize("config", [TINY, TIED_TINY], ids=["untied", "tied"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("mbs", [1, 2])
-def test_stage_table_matches_the_cost_model_on_every_range(config, tp, mbs):
-    profile = synthetic_profile(config, tp_degrees=(1, 2), rng=random.Random(7))
-    cm = CostModel(profile, ClusterSpec.parse("4", "cpu"))
+@pytest.mark.parametrize("seed", [7, None], ids=["measured", "block-uniform"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_stage_table_matches_the_cost_model_on_every_range(config, tp, mbs, seed, recompute):
+    """Random costs per layer, or blocks alike (which the table prices once per kind)."""
+    profile = synthetic_profile(config, tp_degrees=(1, 2), rng=random.Random(seed) if seed else None)
+    cm = CostModel(profile, ClusterSpec.parse("4", "cpu"), recompute=recompute)
     table = stage_table(cm, tp, mbs)
     L = config.num_layers
     for s, e in itertools.combinations(range(L + 1), 2):
