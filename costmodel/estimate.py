@@ -336,14 +336,17 @@ def chunk_hide(
     wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
     inner = np.zeros(S)
     inner[: S - 1] = p2p_s[: S - 1]
-    front = np.vstack([np.zeros((1, v)), np.cumsum(chain + inner[:, None], axis=0)[:-1]])  # s' < s
+    front = np.zeros((S, v))  # s' < s
+    np.cumsum(chain[:-1] + inner[:-1, None], axis=0, out=front[1:])
     per_chunk = chain.sum(axis=0) + inner.sum() + wrap
-    earlier = np.concatenate([[0.0], np.cumsum(per_chunk)[:-1]])  # every stage's chunks before k
+    earlier = np.zeros(v)  # every stage's chunks before k
+    np.cumsum(per_chunk[:-1], out=earlier[1:])
     own = S * (np.cumsum(b, axis=1) - b) + front[:, :1]  # S of each earlier chunk, then cool-down
     window = np.maximum(own, front + earlier[None, :])
     if wgrad_s is not None:
         stage = np.arange(S, dtype=float)
-        delay = np.repeat((stage * b.max(axis=1))[:, None], v, axis=1)
+        delay = np.empty((S, v))
+        delay[:] = (stage * b.max(axis=1))[:, None]
         delay[:, 0] = stage * g[:, 0]
         window = np.maximum(0.0, window - delay)
     n = np.asarray(params, dtype=float)

@@ -55,10 +55,12 @@ from solver.templates import Template, lower_envelope
 MAX_CHUNKS = 8  # Megatron-LM's interleaved runs use a few chunks; more multiplies the exchanges
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def chunk_ranges(
-    stages: Sequence[tuple[int, int, int]], num_chunks: int
-) -> list[tuple[tuple[int, int], ...]]:
-    """Each stage's layer chunks when a template of `stages` (start, end, tp) is interleaved."""
+    stages: tuple[tuple[int, int, int], ...], num_chunks: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each stage's layer chunks when a template of `stages` (start, end, tp) is interleaved
+    (memoised: the variants of templates that differ only in their runs share them)."""
     counts = [
         [(e - s) // num_chunks + (1 if k < (e - s) % num_chunks else 0) for k in range(num_chunks)]
         for s, e, _ in stages
@@ -69,7 +71,7 @@ def chunk_ranges(
         for si in range(len(stages)):
             chunks[si].append((at, at + counts[si][k]))
             at += counts[si][k]
-    return [tuple(c) for c in chunks]
+    return tuple(tuple(c) for c in chunks)
 
 
 def interleaved(
@@ -201,13 +203,7 @@ def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Seque
     """`variant` with the windows of its gradient sync: each chunk's gradients reduce as soon as its
     backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around),
     or under split backward its W; at one chunk `costmodel.estimate.hide_window_s`."""
-    bwd, params, buckets, wgrad = [], [], [], []
-    for (_, _, tp), ranges in zip(variant.stages, chunk_ranges(variant.stages, variant.chunks), strict=True):
-        table = tables[tp]
-        bwd.append([table.bwd_s[a][b] for a, b in ranges])
-        params.append([table.params[a][b] for a, b in ranges])
-        buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
-        wgrad.append([table.wgrad_s[a][b] for a, b in ranges])
+    bwd, params, buckets, wgrad = _chunk_terms(variant.stages, variant.chunks, tables)
     split = wgrad if variant.split_backward else None
     if variant.chunks == 1:
         column = [row[0] for row in split] if split else None
@@ -215,6 +211,27 @@ def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Seque
     else:
         hide, terms = chunk_hide(bwd, links, params, buckets, split)
     return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
+
+
+def _chunk_terms(stages: tuple, num_chunks: int, tables: dict[int, StageTable]) -> tuple[list, ...]:
+    """Per stage and chunk: backward, parameters, gradient buckets and W time (`chunk_windows`).
+    Memoised: templates that differ only in their runs (a split's skeletons) share them."""
+    used = tuple(tables[tp] for tp in sorted({tp for _, _, tp in stages}))
+
+    def build() -> tuple[list, ...]:
+        bwd, params, buckets, wgrad = [], [], [], []
+        for (_, _, tp), ranges in zip(stages, chunk_ranges(stages, num_chunks), strict=True):
+            table = tables[tp]
+            bwd.append([table.bwd_s[a][b] for a, b in ranges])
+            params.append([table.params[a][b] for a, b in ranges])
+            buckets.append([buckets_of(table.params[a][b], table.bucket_bytes) for a, b in ranges])
+            wgrad.append([table.wgrad_s[a][b] for a, b in ranges])
+        return bwd, params, buckets, wgrad
+
+    return _TERMS.get(used, (stages, num_chunks), build)
+
+
+_TERMS: IdentityMemo[tuple[list, ...]] = IdentityMemo(limit=1 << 16)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -313,7 +330,10 @@ def with_interleaving(
         # the micro-batches and pipelines of this template when the whole cluster runs copies of it
         m = max(template.num_stages, math.ceil(num_microbatches * template.num_gpus / gpus))
         copies = max(1, gpus // template.num_gpus)
-        best = fastest_variant(template, tables, m, functools.partial(_exposed_s, sync, copies))
+        plain = sync(copies, dataclasses.replace(template, hide_terms=()))
+        best = fastest_variant(
+            template, tables, m, functools.partial(_exposed_s, sync, copies), plain.floor_s + plain.gather_s
+        )
         if best is None:
             out.append(template)
         elif best.max_microbatches:  # it takes fewer micro-batches: the 1F1B template stays
@@ -332,17 +352,20 @@ def fastest_variant(
     tables: dict[int, StageTable],
     m: int,
     overhead: Callable[[Template], float] = lambda t: 0.0,
+    least_overhead: float = 0.0,
 ) -> Template | None:
     """The variant of `template` (2 to MAX_CHUNKS chunks, and each chunk count, one included, with
     its backwards split) fastest at `m` micro-batches with its `overhead` (the gradient sync it
-    leaves exposed: more chunks hide more of it), or None where no variant is possible."""
+    leaves exposed: more chunks hide more of it), or None where no variant is possible.
+    `least_overhead`: a lower bound on every variant's overhead (the sync's floor and gather, which
+    no window hides: `CostModel.sync`'s chunk terms only raise the floor)."""
     best, least = None, math.inf
     # fastest first, by their time lines; the variant itself, its memory check and its windows (the
-    # costly parts) only for those that can still win: overhead >= 0
+    # costly parts) only for those that can still win
     for chunks, split, a, b in sorted(
         _lines_of(template, tables), key=lambda line: line[2] + (m - 1) * line[3]
     ):
-        if a + (m - 1) * b >= least:
+        if a + (m - 1) * b + least_overhead >= least:
             break
         limit = microbatch_limit(template.stages, tables, chunks, split)
         if limit is None or 0 < limit < m:

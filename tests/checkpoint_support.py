@@ -48,7 +48,7 @@ def random_plan(rng: random.Random, config: ModelConfig = TINY, world_size: int 
             counts = [b - a for a, b in itertools.pairwise(edges)]
             if len(stages) > 1 and min(counts) >= 2 and rng.random() < 0.7:  # interleaved, 2 chunks
                 chunks = chunk_ranges(
-                    [(a, b, tp) for (a, b), tp in zip(itertools.pairwise(edges), stages, strict=True)], 2
+                    tuple((a, b, tp) for (a, b), tp in zip(itertools.pairwise(edges), stages, strict=True)), 2
                 )
             built = []
             for i, tp in enumerate(stages):

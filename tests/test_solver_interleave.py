@@ -38,7 +38,7 @@ def test_chunks_deal_each_stage_its_layer_count():
     chunks = chunk_ranges(stages, 2)
     # stage 0's 5 layers as 3 + 2, stage 1's 7 as 4 + 3, stage 2's 2 as 1 + 1; virtual pipeline 0
     # first (embedding first), then virtual pipeline 1 (head last)
-    assert chunks == [((0, 3), (8, 10)), ((3, 7), (10, 13)), ((7, 8), (13, 14))]
+    assert chunks == (((0, 3), (8, 10)), ((3, 7), (10, 13)), ((7, 8), (13, 14)))
 
 
 def test_variant_is_priced_like_the_plan_it_becomes(p7):
