@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from costmodel import schedule
-from costmodel.estimate import SyncCost, buckets_of, chunk_hide, hide_window_s
+from costmodel.estimate import HideTerms, SyncCost, buckets_of, chunk_hide, hide_window_s
 from solver.memo import IdentityMemo
 from solver.stages import StageTable, exchanges_s
 from solver.templates import Template, lower_envelope
@@ -94,16 +94,37 @@ def interleaved(
     if most is None:
         return None
     links = _links(template, tables)
-    pipeline_s, bottleneck_s = _line(_Shape.of(template, tables, links), v, split)
-    variant = dataclasses.replace(
+    return _variant(template, tables, v, split, most, links, _Shape.of(template, tables, links), windows)
+
+
+def _variant(
+    template: Template,
+    tables: dict[int, StageTable],
+    v: int,
+    split: bool,
+    most: int,
+    links: Sequence[float],
+    shape: "_Shape",
+    windows: bool = True,
+) -> Template:
+    """`interleaved`'s variant once its memory is checked (`most`), from the template's links and
+    shape (`fastest_variant` finds them once for all its variants)."""
+    pipeline_s, bottleneck_s = _line(shape, v, split)
+    hide, terms = (
+        _windows(template.stages, v, split, tables, links)
+        if windows
+        else (template.hide_s, template.hide_terms)
+    )
+    return dataclasses.replace(
         template,
         pipeline_s=pipeline_s,
         bottleneck_s=bottleneck_s,
         chunks=v,
         max_microbatches=most,
         split_backward=split,
+        hide_s=hide,
+        hide_terms=terms,
     )
-    return chunk_windows(variant, tables, links) if windows else variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,14 +224,19 @@ def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Seque
     """`variant` with the windows of its gradient sync: each chunk's gradients reduce as soon as its
     backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around),
     or under split backward its W; at one chunk `costmodel.estimate.hide_window_s`."""
-    bwd, params, buckets, wgrad = _chunk_terms(variant.stages, variant.chunks, tables)
-    split = wgrad if variant.split_backward else None
-    if variant.chunks == 1:
-        column = [row[0] for row in split] if split else None
-        hide, terms = hide_window_s([r[0] for r in bwd], links[:-1], [r[0] for r in buckets], column), ()
-    else:
-        hide, terms = chunk_hide(bwd, links, params, buckets, split)
+    hide, terms = _windows(variant.stages, variant.chunks, variant.split_backward, tables, links)
     return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
+
+
+def _windows(
+    stages, num_chunks: int, split: bool, tables: dict[int, StageTable], links
+) -> tuple[float, HideTerms]:
+    """`chunk_windows`' hide window and chunk terms."""
+    bwd, params, buckets, wgrad = _chunk_terms(stages, num_chunks, tables)
+    if num_chunks == 1:
+        column = [row[0] for row in wgrad] if split else None
+        return hide_window_s([r[0] for r in bwd], links[:-1], [r[0] for r in buckets], column), ()
+    return chunk_hide(bwd, links, params, buckets, wgrad if split else None)
 
 
 def _chunk_terms(stages: tuple, num_chunks: int, tables: dict[int, StageTable]) -> tuple[list, ...]:
@@ -360,6 +386,7 @@ def fastest_variant(
     `least_overhead`: a lower bound on every variant's overhead (the sync's floor and gather, which
     no window hides: `CostModel.sync`'s chunk terms only raise the floor)."""
     best, least = None, math.inf
+    links = shape = None  # the template's, found for its first variant built
     # fastest first, by their time lines; the variant itself, its memory check and its windows (the
     # costly parts) only for those that can still win
     for chunks, split, a, b in sorted(
@@ -370,7 +397,10 @@ def fastest_variant(
         limit = microbatch_limit(template.stages, tables, chunks, split)
         if limit is None or 0 < limit < m:
             continue
-        variant = interleaved(template, tables, chunks, split=split)
+        if links is None:
+            links = _links(template, tables)
+            shape = _Shape.of(template, tables, links)
+        variant = _variant(template, tables, chunks, split, limit, links, shape)
         if (cost := variant.time_s(m) + overhead(variant)) < least:
             best, least = variant, cost
     return best
