@@ -564,10 +564,11 @@ def _elastor(
     With interleaving (block-uniform profiles only, solver.interleave) the search with chunks runs
     first (`_searched`)."""
     capacities = [len(n.gpus) for n in cluster.nodes if n.gpus]
+    searched = functools.partial(
+        _searched, profile, cluster, gbs, sizes, time_limit_s, limits, mode, upper_bound_s=upper_bound_s
+    )
     if (limits or plan_limits(profile, capacities)).complete:
-        return _searched(
-            profile, cluster, gbs, sizes, time_limit_s, limits, mode, [], upper_bound_s, progress
-        )
+        return searched([], progress=progress)
     found = _baseline_plans(profile, cluster, gbs, sizes, mode)
     whole = cluster.whole_nodes()
     partial = whole is not None and len(whole.nodes) < len(capacities)
@@ -583,19 +584,7 @@ def _elastor(
     def dropped_below(bound: float) -> Outcome:
         return _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode, min(upper_bound_s, bound))
 
-    outcome = _searched(
-        profile,
-        cluster,
-        gbs,
-        sizes,
-        time_limit_s,
-        limits,
-        mode,
-        found,
-        upper_bound_s,
-        progress,
-        idle=dropped_below if ahead else None,
-    )
+    outcome = searched(found, progress=progress, idle=dropped_below if ahead else None)
     if not ahead:
         return outcome
     child, outcome = outcome.idle, dataclasses.replace(outcome, idle=None)
@@ -610,11 +599,22 @@ def _elastor(
     if dropped.plan is None or dropped.objective_s >= bound:
         return outcome
     found.append((dropped.objective_s, dropped.plan))
-    return _searched(profile, cluster, gbs, sizes, time_limit_s, limits, mode, found, upper_bound_s, progress)
+    return searched(found, progress=progress)
 
 
 def _searched(
-    profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, found, upper_bound_s, progress, idle=None
+    profile,
+    cluster,
+    gbs,
+    sizes,
+    time_limit_s,
+    limits,
+    mode: Pass,
+    found,
+    *,
+    upper_bound_s,
+    progress,
+    idle=None,
 ) -> Outcome:
     """Elastor's search of pass `mode`, seeded with the (step time, plan) pairs `found`.
 
