@@ -79,22 +79,19 @@ def interleaved(
     tables: dict[int, StageTable],
     num_chunks: int,
     *,
-    windows: bool = True,
     split: bool = False,
-    memory: bool = True,
 ) -> Template | None:
     """`template` run with `num_chunks` chunks per stage (`split`: its backwards split, at one chunk
     too), or None where a stage has fewer layers than chunks or its activations would not fit at S
-    micro-batches (module docstring); `windows=False` leaves its sync's windows to `chunk_windows`
-    (the template's until then), `memory=False` its memory check to `microbatch_limit`."""
+    micro-batches (module docstring)."""
     stages, v = template.stages, num_chunks
     if len(stages) < 2 or any(e - s < v for s, e, _ in stages) or (v == 1 and not split):
         return None
-    most = microbatch_limit(stages, tables, v, split) if memory else 0
+    most = microbatch_limit(stages, tables, v, split)
     if most is None:
         return None
     links = _links(template, tables)
-    return _variant(template, tables, v, split, most, links, _Shape.of(template, tables, links), windows)
+    return _variant(template, tables, v, split, most, links, _Shape.of(template, tables, links))
 
 
 def _variant(
@@ -105,16 +102,11 @@ def _variant(
     most: int,
     links: Sequence[float],
     shape: "_Shape",
-    windows: bool = True,
 ) -> Template:
     """`interleaved`'s variant once its memory is checked (`most`), from the template's links and
     shape (`fastest_variant` finds them once for all its variants)."""
     pipeline_s, bottleneck_s = _line(shape, v, split)
-    hide, terms = (
-        _windows(template.stages, v, split, tables, links)
-        if windows
-        else (template.hide_s, template.hide_terms)
-    )
+    hide, terms = chunk_windows(template.stages, v, split, tables, links)
     return dataclasses.replace(
         template,
         pipeline_s=pipeline_s,
@@ -220,18 +212,12 @@ def _quick_peak(stage: int, num_stages: int, num_chunks: int, weight: float, hel
     return alive * weight + min(kept, both - alive) * held
 
 
-def chunk_windows(variant: Template, tables: dict[int, StageTable], links: Sequence[float]) -> Template:
-    """`variant` with the windows of its gradient sync: each chunk's gradients reduce as soon as its
-    backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and the wrap-around),
-    or under split backward its W; at one chunk `costmodel.estimate.hide_window_s`."""
-    hide, terms = _windows(variant.stages, variant.chunks, variant.split_backward, tables, links)
-    return dataclasses.replace(variant, hide_s=hide, hide_terms=terms)
-
-
-def _windows(
-    stages, num_chunks: int, split: bool, tables: dict[int, StageTable], links
+def chunk_windows(
+    stages, num_chunks: int, split: bool, tables: dict[int, StageTable], links: Sequence[float]
 ) -> tuple[float, HideTerms]:
-    """`chunk_windows`' hide window and chunk terms."""
+    """The hide window and chunk terms of a variant's gradient sync: each chunk's gradients reduce
+    as soon as its backward is done (`costmodel.estimate.chunk_hide`; `links`: the inner ones and
+    the wrap-around), or under split backward its W; at one chunk `costmodel.estimate.hide_window_s`."""
     bwd, params, buckets, wgrad = _chunk_terms(stages, num_chunks, tables)
     if num_chunks == 1:
         column = [row[0] for row in wgrad] if split else None

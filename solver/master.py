@@ -291,15 +291,21 @@ class Master:
         of one `sync.key` sync alike (solver.core.sync: by their parameters and window terms), so
         the sync is asked once per key and count (on llama2-7b 8,8,8,7, 125 keys of 577 templates)."""
         key_of = getattr(self.sync, "key", id)
-        first: dict = {}
-        column = np.array([first.setdefault(key_of(t), i) for i, t in enumerate(self.templates)], np.int64)
-        keys, column = np.unique(column, return_inverse=True)
-        terms = np.zeros((len(keys), self.p_max, 3))
-        for row, i in enumerate(keys.tolist()):
+        row_of: dict = {}  # key -> its row
+        first: list[Template] = []  # each key's first template
+        rows = []
+        for t in self.templates:
+            key = key_of(t)
+            if key not in row_of:
+                row_of[key] = len(first)
+                first.append(t)
+            rows.append(row_of[key])
+        terms = np.zeros((len(first), self.p_max, 3))
+        for row, t in enumerate(first):
             for P in range(1, self.p_max + 1):
-                s = self.sync(P, self.templates[i])
+                s = self.sync(P, t)
                 terms[row, P - 1] = s.reduce_s, s.floor_s, s.gather_s
-        terms = terms[column.reshape(-1)]
+        terms = terms[rows]
         return terms[:, :, 0], terms[:, :, 1], terms[:, :, 2]
 
     def _patterns(self) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -92,7 +92,7 @@ def stage_grid(cm: CostModel, tp: int, mbs: int) -> StageCost:
     """A `StageCost` whose fields are [s, e] arrays over all ranges (entries with e <= s are 0)."""
     num_layers = cm.model.num_layers
     # A layer's cost is its kind's (an embedding first, a head last, blocks of one shape between)
-    # at its profiled cost: layers alike in both are priced once (a block-uniform profile: 3 of 80).
+    # at its profiled cost: layers alike in both are priced once (a block-uniform llama2-70b: 3 of its 82).
     alike: dict[tuple, StageCost] = {}
     singles = []
     for i in range(num_layers):
