@@ -243,6 +243,14 @@ class SyncCost:
     def hidden_s(self, hide_s: float) -> float:
         return self.reduce_s + self.gather_s - self.exposed_s(hide_s)
 
+    def with_partial(self, partial: "HideTerms") -> "SyncCost":
+        """This sync with an interleaved pipeline's chunk terms (`chunk_hide`): each share of the
+        reduction that must wait for its window raises the floor, never hidden."""
+        if not partial:
+            return self
+        floor = max(self.floor_s, *(self.reduce_s * share - w for share, w in partial))
+        return SyncCost(self.reduce_s, floor, self.gather_s)
+
 
 def plan_sync_s(pipelines: Sequence[tuple[SyncCost, float]]) -> float:
     """The gradient sync a plan waits for, from each pipeline's (SyncCost, hide window): every
@@ -807,8 +815,7 @@ class CostModel:
         if sharding == "zero1":
             dtype_bytes = self.profile.bytes_per_param
             gather = k * all_gather_s(params * dtype_bytes / k, P, self.link("all_gather", inter_node))
-        floor = max(reduce / k, reduced_s(last_params), *(reduce * share - w for share, w in partial))
-        return SyncCost(reduce, floor, gather)
+        return SyncCost(reduce, max(reduce / k, reduced_s(last_params)), gather).with_partial(partial)
 
     # ---- a whole plan ---------------------------------------------------------------------------
     def estimate(self, plan: Plan) -> Estimate:

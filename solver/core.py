@@ -112,6 +112,8 @@ def sync(cm: CostModel, inter_node: bool) -> Callable[[int, Template], SyncCost]
 
     @functools.cache
     def priced(num_pipelines: int, params: int, last_params: int, terms: HideTerms) -> SyncCost:
+        if terms and num_pipelines > 1:  # chunk terms only raise the floor: price the rest once
+            return priced(num_pipelines, params, last_params, ()).with_partial(terms)
         return pipeline_sync(cm, inter_node, num_pipelines, params, last_params, terms)
 
     def key(template: Template) -> tuple:

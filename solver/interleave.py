@@ -343,9 +343,7 @@ def with_interleaving(
         m = max(template.num_stages, math.ceil(num_microbatches * template.num_gpus / gpus))
         copies = max(1, gpus // template.num_gpus)
         plain = sync(copies, dataclasses.replace(template, hide_terms=()))
-        best = fastest_variant(
-            template, tables, m, functools.partial(_exposed_s, sync, copies), plain.floor_s + plain.gather_s
-        )
+        best = fastest_variant(template, tables, m, functools.partial(_exposed_s, sync, copies), plain)
         if best is None:
             out.append(template)
         elif best.max_microbatches:  # it takes fewer micro-batches: the 1F1B template stays
@@ -364,32 +362,62 @@ def fastest_variant(
     tables: dict[int, StageTable],
     m: int,
     overhead: Callable[[Template], float] = lambda t: 0.0,
-    least_overhead: float = 0.0,
+    plain: SyncCost | None = None,
 ) -> Template | None:
     """The variant of `template` (2 to MAX_CHUNKS chunks, and each chunk count, one included, with
     its backwards split) fastest at `m` micro-batches with its `overhead` (the gradient sync it
     leaves exposed: more chunks hide more of it), or None where no variant is possible.
-    `least_overhead`: a lower bound on every variant's overhead (the sync's floor and gather, which
-    no window hides: `CostModel.sync`'s chunk terms only raise the floor)."""
+
+    `plain`: the template's sync without chunk terms, where `overhead` is what a variant's sync
+    leaves exposed. A variant's sync has the same reduction and gather and a floor no lower (its
+    chunk terms only raise it, `SyncCost.with_partial`), and its window is at most `_hide_bound`:
+    the variants whose time line with floor and gather cannot win end the search (they come in
+    order), and a variant whose line with its least exposed sync cannot is skipped before its
+    memory check and windows are worked out (the costly parts)."""
+    least_overhead = plain.floor_s + plain.gather_s if plain is not None else 0.0
     best, least = None, math.inf
-    links = shape = None  # the template's, found for its first variant built
-    # fastest first, by their time lines; the variant itself, its memory check and its windows (the
-    # costly parts) only for those that can still win
+    links = shape = None  # the template's, found for the first variant that needs them
     for chunks, split, a, b in sorted(
         _lines_of(template, tables), key=lambda line: line[2] + (m - 1) * line[3]
     ):
-        if a + (m - 1) * b + least_overhead >= least:
+        line = a + (m - 1) * b
+        if line + least_overhead >= least:
             break
+        if links is None:
+            links = _links(template, tables)
+        if plain is not None and best is not None:
+            hide = _hide_bound(template.stages, chunks, split, tables, links)
+            if line + (max(plain.floor_s, plain.reduce_s - hide) + plain.gather_s) >= least:
+                continue
         limit = microbatch_limit(template.stages, tables, chunks, split)
         if limit is None or 0 < limit < m:
             continue
-        if links is None:
-            links = _links(template, tables)
+        if shape is None:
             shape = _Shape.of(template, tables, links)
         variant = _variant(template, tables, chunks, split, limit, links, shape)
         if (cost := variant.time_s(m) + overhead(variant)) < least:
             best, least = variant, cost
     return best
+
+
+def _hide_bound(stages, num_chunks: int, split: bool, tables: dict[int, StageTable], links) -> float:
+    """An upper bound on the hide window of a variant (`chunk_windows`), the least over its stages:
+    the first stage's, which has no cool-down in front nor split delay (`costmodel.estimate.chunk_hide`):
+    max(S sum_{k < v-1} b_0k, sum_{k < v-1} (sum_s chain_sk + sum of links)) plus, unsplit,
+    b_0,v-1 (1 - 1/K_0,v-1). At one chunk, split, the window is 0 (stage 0's gradients are complete
+    with its last W, `hide_window_s`). The sums run in another order than chunk_hide's: the bound is
+    widened by a relative 1e-9 to stay above any rounding of theirs."""
+    v = num_chunks
+    if v == 1:
+        return 0.0 if split else math.inf
+    bwd, _, buckets, wgrad = _chunk_terms(stages, v, tables)
+    chain = sum(sum(row[:-1]) for row in bwd)
+    if split:
+        chain -= sum(sum(row[:-1]) for row in wgrad)
+    window = max(len(stages) * sum(bwd[0][:-1]), chain + (v - 1) * sum(links))
+    if not split:
+        window += bwd[0][-1] * (1 - 1 / max(1, buckets[0][-1]))
+    return window * (1 + 1e-9)
 
 
 def least_time_s(template: Template, tables: dict[int, StageTable], m: int) -> float:

@@ -18,6 +18,7 @@ from costmodel.estimate import (
     FP32_BYTES,
     MEMORY_HEADROOM,
     CostModel,
+    SyncCost,
     in_flight,
     pipeline_time_s,
 )
@@ -308,6 +309,24 @@ def test_sync_volume_matches_the_buckets_the_runtime_reduces():
         )
         held = sum(box.numel for _, box in device_pieces(plan, device)) * FP32_BYTES
         assert ring_bytes == pytest.approx(2 * (3 - 1) / 3 * held)
+
+
+def test_a_chunks_wait_raises_the_sync_floor_and_never_lowers_it():
+    """An interleaved pipeline's chunk terms (share, window): the share of the reduction that must
+    wait for its window is never hidden, so the floor is the larger of the plain floor and every
+    share's reduction less its window; the reduction and gather stay (`SyncCost.with_partial`)."""
+    settings = {"device_kind": "H100-80GB", "micro_batch_sizes": [1], "tp_degrees": [1], "seq_len": 4096}
+    profile = analytic_profile(PRESETS["llama2-7b"], **settings)
+    cm = CostModel(profile, ClusterSpec.parse("8,8", profile.device_kind))
+    plain = cm.sync(400_000_000, 4, True, last_params=130_000_000)
+    assert plain.floor_s > 0
+    low = ((0.5, plain.reduce_s * 0.5 - plain.floor_s / 2),)  # waits less than the floor
+    high = ((0.9, plain.reduce_s * 0.9 - 2 * plain.floor_s), (0.4, 0.0))  # waits more
+    for terms, floor in ((low, plain.floor_s), (high, 2 * plain.floor_s)):
+        chunked = cm.sync(400_000_000, 4, True, last_params=130_000_000, partial=terms)
+        assert (chunked.reduce_s, chunked.gather_s) == (plain.reduce_s, plain.gather_s)
+        assert chunked.floor_s == pytest.approx(floor, rel=1e-12)
+    assert cm.sync(400_000_000, 1, True, partial=high) == SyncCost(0.0, 0.0, 0.0)  # one pipeline: no sync
 
 
 def test_holder_sets_are_every_devices_pieces_cut_at_every_holders_boundary():

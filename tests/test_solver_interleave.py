@@ -2,6 +2,7 @@
 plans they become, and what choosing chunks buys."""
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -14,10 +15,10 @@ from costmodel import PRESETS, ClusterSpec, schedule
 from costmodel.estimate import CostModel
 from costmodel.schedule import interleaved_time_s
 from profiler.analytic import analytic_profile
-from solver import baselines
+from solver import baselines, interleave
 from solver.core import tp_degrees
 from solver.interleave import chunk_ranges, interleaved, stage_peaks
-from solver.skeletons import splitter_of
+from solver.skeletons import generate_skeletal, splitter_of
 from solver.stages import stage_table, sync_terms
 from solver.templates import Template
 
@@ -259,6 +260,56 @@ def test_a_variants_sync_is_priced_like_the_plan_it_becomes(p7):
         assert estimate.sync_s == pytest.approx(priced, rel=1e-9)
         unsplit = base if v == 1 else interleaved(base, tables, v)
         assert variant.hide_s <= unsplit.hide_s
+
+
+def test_the_variant_search_skips_only_variants_that_cannot_win(p7, monkeypatch):
+    """`fastest_variant` skips a variant by a bound on its window before working its memory and
+    windows out: the bound holds every window, and skipping changes no variant chosen; a sync
+    with chunk terms is priced as the cost model prices it (`SyncCost.with_partial`)."""
+    cluster = ClusterSpec.parse("8,7", p7.device_kind)
+    cm = CostModel(p7, cluster)
+    tables = {t: stage_table(cm, t, 1) for t in tp_degrees(p7, cluster)}
+    found = generate_skeletal(tables, p7.model.num_layers, [8, 7], single_node=False, max_runs=3)
+    templates = [t for t in found if t.num_stages > 1]
+    sync = solver.core.sync(cm, True)
+    rng = random.Random(5)
+    built = {"quick": 0, "full": 0}
+    counting = "quick"
+    make = interleave._variant
+
+    def counted(*args):
+        built[counting] += 1
+        return make(*args)
+
+    monkeypatch.setattr(interleave, "_variant", counted)
+    chosen = 0
+    for template in rng.sample(templates, 150):
+        links = interleave._links(template, tables)
+        for v, split, _, _ in interleave._lines_of(template, tables):
+            window, _ = interleave.chunk_windows(template.stages, v, split, tables, links)
+            assert window <= interleave._hide_bound(template.stages, v, split, tables, links)
+        m = template.num_stages + rng.randrange(3 * template.num_stages)
+        copies = rng.choice([2, 3, 4])
+        plain = sync(copies, dataclasses.replace(template, hide_terms=()))
+
+        exposed = functools.partial(interleave._exposed_s, sync, copies)
+
+        counting = "quick"
+        quick = interleave.fastest_variant(template, tables, m, exposed, plain)
+        counting = "full"
+        full = interleave.fastest_variant(template, tables, m, exposed)
+        assert (quick is None) == (full is None)
+        if full is not None:
+            assert (quick.chunks, quick.split_backward) == (full.chunks, full.split_backward)
+            assert quick.time_s(m) + exposed(quick) == full.time_s(m) + exposed(full)
+            chosen += 1
+            for P in (2, 5):
+                args = (cm, True, P, full.max_params, full.last_params, full.hide_terms)
+                assert sync(P, full) == solver.core.pipeline_sync(*args)
+                alone = sync(P, dataclasses.replace(full, hide_terms=()))  # terms only raise the floor
+                assert (sync(P, full).reduce_s, sync(P, full).gather_s) == (alone.reduce_s, alone.gather_s)
+                assert sync(P, full).floor_s >= alone.floor_s
+    assert chosen > 100 and built["quick"] < 0.95 * built["full"]
 
 
 def test_a_variant_whose_warm_up_outgrows_memory_takes_fewer_micro_batches(p70):
