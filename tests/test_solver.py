@@ -381,6 +381,63 @@ def test_the_relaxations_knapsacks_are_the_best_multisets():
     assert counted >= 30 and tables >= 150 and dropped >= 50, (counted, tables, dropped)
 
 
+def test_a_count_is_refuted_by_packing_exactly_where_no_multiset_covers_and_packs():
+    """`Master._none_pack` refutes P pipelines exactly where no multiset of P templates that allow
+    P within the cap covers N micro-batches within N stages and packs onto the nodes (every
+    multiset enumerated, exact bin packing): never where a plan of P could exist."""
+    rng = random.Random(8)
+    packing = kept = 0
+
+    def run(size: int) -> list[int]:  # a run's stages' TP degrees
+        degrees = []
+        while size:
+            degrees.append(rng.choice([d for d in (1, 2, 4) if d <= size]))
+            size -= degrees[-1]
+        return degrees
+
+    for _ in range(300):
+        templates, _, _ = _random_instance(rng, most=4)
+        for _ in range(rng.randint(2, 6)):  # and pipelines of runs that crowd the nodes
+            sizes = [rng.randint(3, 7) for _ in range(rng.randint(1, 2))]
+            degrees = [(r, tp) for r, size in enumerate(sizes) for tp in run(size)]
+            stages = tuple((0, 1, tp) for _, tp in degrees)
+            runs = tuple(r for r, _ in degrees)
+            a, m = rng.uniform(1, 3), rng.uniform(0.2, 1)
+            templates.append(Template(stages, runs, a, m, 5, 0.1, hide_s=rng.uniform(0, 1)))
+        capacities = rng.choice([[4, 4, 3], [6, 6, 5], [8, 8, 7], [8, 8, 8, 7], [8]])
+        weight = {id(t): rng.uniform(0.1, 1.0) for t in templates}
+        sync = _sync_by_template(lambda P, t, w=weight: 0.0 if P == 1 else w[id(t)] * (1 - 1 / P))
+        master = Master(templates, capacities, rng.randint(10, 40), sync, single_node=len(capacities) == 1)
+        master.set_scale(_Scale(0.001))
+        k = master.capacity(rng.uniform(2, 6))
+        live = [int(i) for i in np.flatnonzero(k)]
+        cap = rng.choice([math.inf, rng.uniform(100, 1200)])
+        allowed = master.most_pipelines(cap)
+        packer = Packer(capacities)
+        for P in (3, 4, 5):
+            usable = [i for i in live if allowed[i] >= P]
+            exists = any(
+                sum(int(k[i]) for i in chosen) >= master.N
+                and sum(int(master.p[i]) for i in chosen) <= master.N
+                and (
+                    sum(r for i in chosen for r in master.templates[i].run_sizes) <= max(capacities)
+                    if len(capacities) == 1
+                    else packer.fits([r for i in chosen for r in master.templates[i].run_sizes])
+                )
+                for chosen in itertools.combinations_with_replacement(usable, P)
+            )
+            assert master._none_pack(k, live, cap, P) == (not exists)
+            covering = any(
+                sum(int(k[i]) for i in chosen) >= master.N
+                and sum(int(master.p[i]) for i in chosen) <= master.N
+                and sum(int(master.G[i]) for i in chosen) <= sum(capacities)
+                for chosen in itertools.combinations_with_replacement(usable, P)
+            )
+            packing += covering and not exists  # a knapsack over GPUs would have kept it
+            kept += exists
+    assert packing >= 8 and kept >= 100, (packing, kept)
+
+
 def test_minimisations_the_relaxations_settle_skip_cp_sat_and_change_no_answer(monkeypatch):
     """At each step the staircase needs S*(tau), the least overhead at tau. Where no relaxation
     admits less than a plan already found (`Master.below`), that plan's overhead is S* and CP-SAT
