@@ -337,40 +337,75 @@ def chunk_hide(
     the earlier virtual stages) count input gradients alone, b - g, and a chunk's buckets are all
     ready when its last W ends (no b (1 - 1/K) to add). tests/test_overlap_model.py holds it
     against a simulation of the split replay."""
-    b = np.asarray(bwd_s, dtype=float)
-    S, v = b.shape
-    g = b if wgrad_s is None else np.asarray(wgrad_s, dtype=float)
-    chain = b if wgrad_s is None else b - g  # what the other stages' backwards take on the chain
-    wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
-    inner = np.zeros(S)
-    inner[: S - 1] = p2p_s[: S - 1]
-    front = np.zeros((S, v))  # s' < s
-    np.cumsum(chain[:-1] + inner[:-1, None], axis=0, out=front[1:])
-    per_chunk = chain.sum(axis=0) + inner.sum() + wrap
-    earlier = np.zeros(v)  # every stage's chunks before k
-    np.cumsum(per_chunk[:-1], out=earlier[1:])
-    own = S * (np.cumsum(b, axis=1) - b) + front[:, :1]  # S of each earlier chunk, then cool-down
-    window = np.maximum(own, front + earlier[None, :])
-    if wgrad_s is not None:
-        stage = np.arange(S, dtype=float)
-        delay = np.empty((S, v))
-        delay[:] = (stage * b.max(axis=1))[:, None]
-        delay[:, 0] = stage * g[:, 0]
-        window = np.maximum(0.0, window - delay)
-    n = np.asarray(params, dtype=float)
-    share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
-    before = np.cumsum(share, axis=1) - share
-    K = np.maximum(1, np.asarray(buckets, dtype=float))
-    first = window + (b * (1 - 1 / K) if wgrad_s is None else 0.0)
-    hide = float(first[:, -1].min())
-    shares = np.concatenate([(before + share)[:, :-1].ravel(), (before + share / K).ravel()])
-    windows = np.concatenate([first[:, :-1].ravel(), window.ravel()])
-    order = np.lexsort((windows, -shares))  # largest share first, then the narrowest window
-    shares, windows = shares[order], windows[order]
-    # a term counts only where no term of a larger share has a window as narrow (nor the hide's)
-    narrowest = np.minimum.accumulate(np.concatenate([[hide], windows]))[:-1]
-    kept = windows < narrowest
-    return hide, tuple(zip(shares[kept].tolist(), windows[kept].tolist(), strict=True))
+    return ChunkTerms.of(bwd_s, params, buckets, wgrad_s).hide(p2p_s)
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkTerms:
+    """What `chunk_hide` computes of a pipeline's chunks before its links come in: the solver
+    prices the variants of many pipelines whose stages are alike and whose links differ
+    (`solver.interleave`), and keeps these per stages and chunk count. `hide(p2p_s)` is
+    `chunk_hide`, operation for operation."""
+
+    b: np.ndarray  # backward per stage and chunk
+    chain: np.ndarray  # what each takes on the chain through other stages (b, or b - g split)
+    own: np.ndarray  # S backwards of each earlier chunk of the stage (before its cool-down)
+    chain_total: np.ndarray  # per chunk, every stage's chain
+    delay: np.ndarray | None  # split backward: what the deferred W's take off each window
+    ready: np.ndarray | float  # unsplit: when a chunk's first bucket is ready after its window
+    shares: np.ndarray  # each term's share of the reduction, in `hide`'s order of terms
+
+    @staticmethod
+    def of(bwd_s, params, buckets, wgrad_s=None) -> "ChunkTerms":
+        b = np.asarray(bwd_s, dtype=float)
+        S, v = b.shape
+        g = b if wgrad_s is None else np.asarray(wgrad_s, dtype=float)
+        chain = b if wgrad_s is None else b - g  # what the other stages' backwards take on the chain
+        delay = None
+        if wgrad_s is not None:
+            stage = np.arange(S, dtype=float)
+            delay = np.empty((S, v))
+            delay[:] = (stage * b.max(axis=1))[:, None]
+            delay[:, 0] = stage * g[:, 0]
+        n = np.asarray(params, dtype=float)
+        share = n / np.maximum(1.0, n.sum(axis=1, keepdims=True))
+        before = np.cumsum(share, axis=1) - share
+        K = np.maximum(1, np.asarray(buckets, dtype=float))
+        return ChunkTerms(
+            b=b,
+            chain=chain,
+            own=S * (np.cumsum(b, axis=1) - b),
+            chain_total=chain.sum(axis=0),
+            delay=delay,
+            ready=b * (1 - 1 / K) if wgrad_s is None else 0.0,
+            shares=np.concatenate([(before + share)[:, :-1].ravel(), (before + share / K).ravel()]),
+        )
+
+    def hide(self, p2p_s: Sequence[float]) -> tuple[float, HideTerms]:
+        """`chunk_hide` with these links (the inner ones, then the wrap-around)."""
+        S, v = self.b.shape
+        chain = self.chain
+        wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
+        inner = np.zeros(S)
+        inner[: S - 1] = p2p_s[: S - 1]
+        front = np.zeros((S, v))  # s' < s
+        np.cumsum(chain[:-1] + inner[:-1, None], axis=0, out=front[1:])
+        per_chunk = self.chain_total + inner.sum() + wrap
+        earlier = np.zeros(v)  # every stage's chunks before k
+        np.cumsum(per_chunk[:-1], out=earlier[1:])
+        own = self.own + front[:, :1]  # S of each earlier chunk, then cool-down
+        window = np.maximum(own, front + earlier[None, :])
+        if self.delay is not None:
+            window = np.maximum(0.0, window - self.delay)
+        first = window + self.ready
+        hide = float(first[:, -1].min())
+        windows = np.concatenate([first[:, :-1].ravel(), window.ravel()])
+        order = np.lexsort((windows, -self.shares))  # largest share first, then the narrowest window
+        shares, windows = self.shares[order], windows[order]
+        # a term counts only where no term of a larger share has a window as narrow (nor the hide's)
+        narrowest = np.minimum.accumulate(np.concatenate([[hide], windows]))[:-1]
+        kept = windows < narrowest
+        return hide, tuple(zip(shares[kept].tolist(), windows[kept].tolist(), strict=True))
 
 
 def pipeline_time_s(fwd_s: list[float], bwd_s: list[float], p2p: list[float], m: int) -> float:

@@ -35,6 +35,7 @@ buckets the unsplit layouts share (measured: at most 0.2% of the step below, SPL
 
 import dataclasses
 import json
+import random
 
 import pytest
 from dist_helpers import plan_json
@@ -45,7 +46,7 @@ from test_runtime_parity import PLANS, TINY
 from costmodel import ClusterSpec, Plan, schedule
 from costmodel.cluster import LinkSpec
 from costmodel.comm import DEFAULT_LATENCY_S, Link, all_gather_s, all_reduce_s, reduce_scatter_s
-from costmodel.estimate import CostModel, buckets_of, chunk_hide, hide_window_s, plan_sync_s
+from costmodel.estimate import ChunkTerms, CostModel, buckets_of, chunk_hide, hide_window_s, plan_sync_s
 from costmodel.layout import device_pieces
 from costmodel.plan import OptimizerLayout
 from costmodel.sharding import buckets
@@ -331,3 +332,20 @@ def test_no_bucket_waits_for_two_chunks(layout):
             assert len(owning) == 1, (bucket.rows, chunks)
             seen |= owning
     assert len(seen) == plan.pipelines[0].num_chunks  # every chunk has buckets of its own
+
+
+def test_chunk_terms_prepared_once_price_any_links_as_chunk_hide_does():
+    """`ChunkTerms` holds what `chunk_hide` computes before the links (the solver keeps it per
+    stages and chunk count): priced with one pipeline's links after another's, it gives what
+    chunk_hide gives for each, to the bit."""
+    rng = random.Random(12)
+    for _ in range(300):
+        S, v = rng.randint(2, 10), rng.randint(2, 8)
+        bwd = [[rng.uniform(0.001, 0.1) for _ in range(v)] for _ in range(S)]
+        wgrad = [[b * rng.uniform(0.2, 0.8) for b in row] for row in bwd] if rng.random() < 0.5 else None
+        params = [[rng.randint(1, 10**9) for _ in range(v)] for _ in range(S)]
+        buckets = [[rng.randint(1, 5) for _ in range(v)] for _ in range(S)]
+        prepared = ChunkTerms.of(bwd, params, buckets, wgrad)
+        for _ in range(3):
+            links = [rng.choice([0.0, rng.uniform(0, 0.02)]) for _ in range(S)]
+            assert prepared.hide(links) == chunk_hide(bwd, links, params, buckets, wgrad)
