@@ -102,6 +102,7 @@ KNAPSACK_CELLS = 2_000_000
 CALL_CELLS = 5000  # a numpy call's overhead in cells updated (`_add_copies`: ~2.6 us, ~0.5 ns a cell)
 SAMPLE_EVERY = 16  # Master.least_overhead evaluates its bound at every this many candidates first
 SMALL_PLAN_STEPS = 1000  # multisets `Master._none_pack` may extend before it leaves a count to CP-SAT
+SMALL_PLAN_NODES = 8  # and the most nodes it packs onto (exact packing: on 128 nodes it took minutes)
 
 
 class _GaveUp(Exception):
@@ -468,6 +469,8 @@ class Master:
         GPUs that no three nodes hold, it settles in 1 ms each the five questions CP-SAT took
         0.06 s to prove. (Asked per least window as `coupled_counts` asks, it settles the five that
         llama2-7b on 8,8,8,7 with chunks leaves CP-SAT too, but in 36 ms each against its 20 ms.)"""
+        if len(self.capacities) > SMALL_PLAN_NODES:
+            return False  # exact packing of many runs onto many nodes can take exponential time
         allowed = self.most_pipelines(cap)
         kinds: dict[int, list[int]] = {}  # footprint -> [most capacity, fewest stages, a template]
         for i in live:

@@ -22,6 +22,7 @@ from costmodel import PRESETS, ClusterSpec, ElastorError
 from costmodel.estimate import CostModel, SyncCost
 from profiler.analytic import analytic_profile
 from solver import core, parallel, whatif
+from solver import master as master_module
 from solver.baselines import equal_split, pow2_groups
 from solver.core import skeletal_templates
 from solver.master import Master, Packing, _Scale, balance, maximal_patterns, overhead_s, solve_master
@@ -436,6 +437,17 @@ def test_a_count_is_refuted_by_packing_exactly_where_no_multiset_covers_and_pack
             packing += covering and not exists  # a knapsack over GPUs would have kept it
             kept += exists
     assert packing >= 8 and kept >= 100, (packing, kept)
+
+
+def test_the_packing_refutation_leaves_many_nodes_to_cp_sat(monkeypatch):
+    """Exact packing onto many nodes can take exponential time (llama2-70b on 128 nodes did not
+    end in minutes): past SMALL_PLAN_NODES nodes `_none_pack` packs nothing and refutes nothing."""
+    templates, sync, _ = _random_instance(random.Random(4), most=6)
+    master = Master(templates, [8] * (master_module.SMALL_PLAN_NODES + 1), 64, sync, single_node=False)
+    master.set_scale(_Scale(0.001))
+    monkeypatch.setattr(Packer, "fits", lambda self, runs: pytest.fail("packed"))
+    k = master.capacity(8.0)
+    assert master._none_pack(k, [int(i) for i in np.flatnonzero(k)], math.inf, 3) is False
 
 
 def test_minimisations_the_relaxations_settle_skip_cp_sat_and_change_no_answer(monkeypatch):
