@@ -71,8 +71,8 @@ micro-batch 1 takes 2 s instead of 8.7 s.
 
 Where the knapsacks leave a count of more pipelines only because they relax the nodes to a sum
 of GPUs, an exact packing of footprint multisets settles it (`Master._none_pack`: llama3-8b on
-8,8,7 with chunks, four pipelines of 6, 6, 6 and 5 GPUs on three nodes, 1 ms instead of CP-SAT's
-0.06 s for each of five questions).
+8,8,7 with chunks, four pipelines that cover 256 micro-batches on 23 GPUs but not on three nodes,
+1 ms instead of CP-SAT's 0.06 s for each of five questions).
 
 Only the overhead is an integer in the model, in units of 1e-13 of the incumbent's step time (`_Scale`),
 so rounding cannot reorder plans that differ by more than that; tau stays a float. A plan made of copies
@@ -464,11 +464,13 @@ class Master:
         relaxation of the model at P (its coupled sync left out) whose packing is exact bin packing
         of the runs, as the model's patterns pack them. Templates of one footprint count as one,
         with the most capacity and the fewest stages of any of them (`_no_cover`); False (not
-        refuted) where that search takes more than SMALL_PLAN_STEPS steps. On llama3-8b on 8,8,7
-        with chunks, where a knapsack over GPUs reaches N with four pipelines of 6, 6, 6 and 5
-        GPUs that no three nodes hold, it settles in 1 ms each the five questions CP-SAT took
-        0.06 s to prove. (Asked per least window as `coupled_counts` asks, it settles the five that
-        llama2-7b on 8,8,8,7 with chunks leaves CP-SAT too, but in 36 ms each against its 20 ms.)"""
+        refuted) where that search takes more than SMALL_PLAN_STEPS steps or the cluster has more
+        than SMALL_PLAN_NODES nodes. On llama3-8b on 8,8,7
+        with chunks, where a knapsack over GPUs reaches N = 256 with four pipelines on the 23 GPUs
+        but no four pipelines' runs pack onto the three nodes, it settles in 1 ms each the five
+        questions CP-SAT took 0.06 s to prove. (Asked per least window as `coupled_counts` asks,
+        it settles the five that llama2-7b on 8,8,8,7 with chunks leaves CP-SAT too, but in 36 ms
+        each against its 20 ms.)"""
         if len(self.capacities) > SMALL_PLAN_NODES:
             return False  # exact packing of many runs onto many nodes can take exponential time
         allowed = self.most_pipelines(cap)
