@@ -347,8 +347,7 @@ class ChunkTerms:
     (`solver.interleave`), and keeps these per stages and chunk count. `hide(p2p_s)` is
     `chunk_hide`, operation for operation."""
 
-    b: np.ndarray  # backward per stage and chunk
-    chain: np.ndarray  # what each takes on the chain through other stages (b, or b - g split)
+    chain: np.ndarray  # per stage and chunk, what its backward takes on the chain (b, or b - g split)
     own: np.ndarray  # S backwards of each earlier chunk of the stage (before its cool-down)
     chain_total: np.ndarray  # per chunk, every stage's chain
     delay: np.ndarray | None  # split backward: what the deferred W's take off each window
@@ -372,7 +371,6 @@ class ChunkTerms:
         before = np.cumsum(share, axis=1) - share
         K = np.maximum(1, np.asarray(buckets, dtype=float))
         return ChunkTerms(
-            b=b,
             chain=chain,
             own=S * (np.cumsum(b, axis=1) - b),
             chain_total=chain.sum(axis=0),
@@ -383,8 +381,8 @@ class ChunkTerms:
 
     def hide(self, p2p_s: Sequence[float]) -> tuple[float, HideTerms]:
         """`chunk_hide` with these links (the inner ones, then the wrap-around)."""
-        S, v = self.b.shape
         chain = self.chain
+        S, v = chain.shape
         wrap = p2p_s[S - 1] if len(p2p_s) >= S else 0.0
         inner = np.zeros(S)
         inner[: S - 1] = p2p_s[: S - 1]

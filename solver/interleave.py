@@ -227,7 +227,7 @@ def chunk_windows(
 
 def _prepared(stages: tuple, num_chunks: int, split: bool, tables: dict[int, StageTable]) -> ChunkTerms:
     """`chunk_hide`'s work before the links, per stages, chunk count and split (templates that
-    differ only in their runs share it: 2.5x less time per variant's windows)."""
+    differ only in their runs share it; pricing a kept one takes 0.4x chunk_hide's time)."""
     used = tuple(tables[tp] for tp in sorted({tp for _, _, tp in stages}))
 
     def build() -> ChunkTerms:

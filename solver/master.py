@@ -480,15 +480,15 @@ class Master:
                 kind = kinds.setdefault(int(self.footprint[i]), [0, self.N + 1, i])
                 kind[0], kind[1] = max(kind[0], int(k[i])), min(kind[1], int(self.p[i]))
         try:
-            return self._no_cover(sorted(kinds.values(), key=lambda kind: -kind[0]), P, [SMALL_PLAN_STEPS])
+            return self._no_cover(sorted(kinds.values(), key=lambda kind: -kind[0]), P)
         except _GaveUp:
             return False
 
-    def _no_cover(self, items: list[list[int]], P: int, budget: list[int]) -> bool:
+    def _no_cover(self, items: list[list[int]], P: int) -> bool:
         """Whether no multiset of P of these footprints ([capacity, stages, a template], most
         capacity first) covers N within N stages and packs: a depth-first search, cut where the
         rest cannot cover N (by count and by GPUs left) and where what is chosen does not pack (nor
-        then does anything holding it); `budget` counts its steps down (`_GaveUp` at none left)."""
+        then does anything holding it); `_GaveUp` past SMALL_PLAN_STEPS steps."""
         if not items:
             return True
         held = [kind[0] for kind in items]
@@ -497,9 +497,10 @@ class Master:
         width = [sum(r) for r in runs]
         # per GPU, the most any footprint from here on holds: what the GPUs left can still add
         dense = list(itertools.accumulate([h / g for h, g in zip(held, width, strict=True)][::-1], max))[::-1]
-        fewest, gpus = min(stages), sum(self.capacities)
+        fewest, gpus, steps = min(stages), sum(self.capacities), 0
 
         def extend(start: int, left: int, covered: int, used: int, chosen: tuple[int, ...]) -> bool:
+            nonlocal steps
             if left == 0:
                 return covered >= self.N
             free = gpus - sum(chosen)
@@ -508,8 +509,8 @@ class Master:
                     return False  # no later footprint holds more, nor more per GPU
                 if used + stages[j] + (left - 1) * fewest > self.N or width[j] > free:
                     continue
-                budget[0] -= 1
-                if budget[0] < 0:
+                steps += 1
+                if steps > SMALL_PLAN_STEPS:
                     raise _GaveUp
                 more = (*chosen, *runs[j])
                 if self._runs_pack(more) and extend(j, left - 1, covered + held[j], used + stages[j], more):
