@@ -5,7 +5,8 @@
 
 The plan's `predicted` block is `CostModel.estimate(plan).to_json()`; its `solver` block records the
 method, the status (OPTIMAL: proven fastest of the space searched; FEASIBLE: the best found, with the
-proven relative `gap` to the best possible in that space), the wall time, how many templates were
+proven relative `gap` to the best possible in that space, and in `not_proven` why: the time limit,
+a search with other memory for NCCL buffers), the wall time, how many templates were
 built, and `complete`: whether the space searched is the whole search space (below) or, on large
 instances, a family of it (`family`).
 
@@ -103,6 +104,7 @@ METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
 NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
+NOT_PROVEN_TIME_LIMIT = "the time limit stopped the search"  # a FEASIBLE answer's reason (solver block)
 NCCL_BISECTIONS = 2  # then searches between the reserves that did not fit and did (each a whole solve)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
@@ -208,7 +210,9 @@ def solve(
                     )
         return best, passes
 
-    best, passes, reserved, first_s = _within_nccl_buffers(best_of_passes, cluster, time_limit_s)
+    best, passes, reserved, first_s = _within_nccl_buffers(
+        best_of_passes, cluster, time_limit_s, report if progress is not None else None
+    )
     if best is None:
         if grid.pinned or (method == "uniform" and recompute is not None):
             heaviest = recompute or RECOMPUTE_PASSES[-1]
@@ -222,14 +226,32 @@ def solve(
     if reserved:  # searched again with other memory: no proof, and the gap is to the first answer
         info["nccl_reserve_bytes"] = reserved  # beyond the planner's own; < 0: given back
         info.update(status="FEASIBLE", gap=max(0.0, (best[0] - first_s) / best[0]))
+        info["not_proven"] = [*info.get("not_proven", ()), _nccl_reason(reserved)]
     info["passes"] = passes  # predicted step time of each pass's answer (None: no plan)
     info["wall_s"] = round(time.perf_counter() - started, 4)
     info["cpu_s"] = round(parallel.cpu_s() - cpu, 4)  # this process's and a forked search child's
     return dataclasses.replace(plan, solver=info)
 
 
+def _nccl_reason(reserved: int) -> str:
+    """Why an answer searched with other memory per device (`_within_nccl_buffers`) proves nothing."""
+    mib = f"{abs(reserved) / communicators.MIB:,.0f} MiB"
+    if reserved > 0:
+        return (
+            "the first answer did not fit once its NCCL buffers were counted exactly, so this one was "
+            f"searched with {mib} less memory per device (the gap is to that first answer)"
+        )
+    return (
+        "the planner's NCCL reserve left no plan, so this one was searched with that reserve "
+        f"({mib} per device) given back, and fits with its buffers counted exactly"
+    )
+
+
 def _within_nccl_buffers(
-    search: Callable[[ClusterSpec], tuple[tuple | None, dict]], cluster: ClusterSpec, time_limit_s: float
+    search: Callable[[ClusterSpec], tuple[tuple | None, dict]],
+    cluster: ClusterSpec,
+    time_limit_s: float,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[tuple | None, dict, int, float]:
     """`search(cluster)`'s answer, or where it does not fit once its devices' NCCL buffers are
     counted exactly, the fastest answer found with some bytes less memory per device that fits:
@@ -246,7 +268,8 @@ def _within_nccl_buffers(
     last still ends within `time_limit_s` of the first search's start. Such an answer proves
     nothing: `solve` reports it FEASIBLE, with its gap to the first answer, which did not fit.
     Where the first search finds no plan at all, one more runs with the largest reserve given back
-    (a negative reserve), and its answer is kept if it fits exactly.
+    (a negative reserve), and its answer is kept if it fits exactly. `progress` hears of each
+    search after the first, and why it runs.
     """
     started = time.perf_counter()
     best, passes = search(cluster)
@@ -267,8 +290,11 @@ def _within_nccl_buffers(
 
     last_s = time.perf_counter() - started  # how long the last search took
 
-    def attempt(reserved: int) -> tuple[tuple | None, dict]:
+    def attempt(reserved: int, why: str) -> tuple[tuple | None, dict]:
         nonlocal last_s
+        if progress is not None:
+            less = f"{reserved / communicators.MIB:,.0f} MiB"
+            progress(f"{why}: searching again with {less} less memory per device")
         began = time.perf_counter()
         smaller = with_less_memory(cluster, reserved)
         answer = search(smaller) if smaller is not None else (None, {})
@@ -278,7 +304,8 @@ def _within_nccl_buffers(
     step = max(communicators.MIB, communicators.group_bytes(cluster.device.kind) // 4)
     low, high, found = 0, max(step, shortfall(best)), None
     for _ in range(NCCL_RESERVE_ROUNDS):
-        best, passes = attempt(high)
+        short = f"the answer at {best[0]:.4f} s/step needs {shortfall(best) / communicators.MIB:,.0f} MiB"
+        best, passes = attempt(high, short + " more than a device has once its NCCL buffers are counted")
         if best is None:  # too much reserved: the answer lies below
             break
         if best[3].fits:
@@ -291,7 +318,7 @@ def _within_nccl_buffers(
         if high - low <= step or time.perf_counter() - started + last_s > time_limit_s:
             break
         middle = (low + high) // 2
-        best, passes = attempt(middle)
+        best, passes = attempt(middle, "a smaller reserve may leave a faster plan that fits")
         if best is not None and best[3].fits and (found is None or best[0] <= found[0][0]):
             found = (best, passes, middle)
         if best is None or best[3].fits:
@@ -479,6 +506,8 @@ def _solve_pass(
             0.0 if outcome.proven else max(0.0, (outcome.objective_s - outcome.bound_s) / outcome.objective_s)
         )
         info.update(status="OPTIMAL" if outcome.proven else "FEASIBLE", gap=float(gap))
+        if not outcome.proven:
+            info["not_proven"] = [NOT_PROVEN_TIME_LIMIT]
         info["templates"] = outcome.num_templates
         info["complete"] = outcome.limits.complete
         if not outcome.limits.complete:

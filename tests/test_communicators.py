@@ -194,10 +194,11 @@ def test_a_device_kind_outside_the_table_counts_none():
     assert communicators.peer_bytes(H100, inter_node=True) == 2 * CONNECTION_BYTES
 
 
-def test_a_plan_beyond_the_reserve_is_searched_again_and_fits():
+def test_a_plan_beyond_the_reserve_is_searched_again_and_fits(monkeypatch):
     """gpt-small on 6+5+6 H100s cut to 3.28 GiB each: the first answer puts devices in more groups
     than the planner reserved and does not fit; the solver searches again with the shortfall
-    reserved, and its answer fits with every device's exact buffers counted."""
+    reserved (and says so as it goes), and its answer fits with every device's exact buffers
+    counted."""
     profile = analytic_profile(
         PRESETS["gpt-small"], device_kind=H100, micro_batch_sizes=[1, 2], tp_degrees=[1, 2, 4], seq_len=1024
     )
@@ -205,9 +206,16 @@ def test_a_plan_beyond_the_reserve_is_searched_again_and_fits():
     cluster = dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, memory_bytes=int(3.28 * 2**30))
     )
-    plan = solver.solve(profile, cluster, 32)
+    monkeypatch.setattr(solver, "PROGRESS_AFTER_S", -1.0)  # every line, however short the solve
+    lines = []
+    plan = solver.solve(profile, cluster, 32, progress=lines.append)
     assert plan.solver["nccl_reserve_bytes"] > 0
+    again = [line for line in lines if "searching again" in line]
+    assert again and "once its NCCL buffers are counted" in again[0]
+    assert f"{plan.solver['nccl_reserve_bytes'] / 2**20:,.0f} MiB less memory" in " ".join(again)
     assert plan.solver["status"] == "FEASIBLE"  # a search with less memory proves nothing
+    (reason,) = plan.solver["not_proven"]  # and says why, not that a time limit stopped it
+    assert "did not fit" in reason and f"{plan.solver['nccl_reserve_bytes'] / 2**20:,.0f} MiB less" in reason
     estimate = CostModel(profile, cluster).estimate(plan)
     assert estimate.fits
     exact = device_bytes(plan, H100)
@@ -235,4 +243,6 @@ def test_a_plan_the_reserve_shuts_out_is_found_where_it_fits():
     cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory))
     plan = solver.solve(profile, cluster, 8, recompute="none")
     assert plan.solver["nccl_reserve_bytes"] < 0 and plan.solver["status"] == "FEASIBLE"
+    (reason,) = plan.solver["not_proven"]
+    assert "given back" in reason and "time limit" not in reason
     assert CostModel(profile, cluster).estimate(plan).fits

@@ -118,3 +118,25 @@ def test_a_pinned_grid_can_split_its_backwards(tmp_path, capsys):
     assert steps[True] < steps[False]
     assert main([*base, "--split-backward", "--out", str(tmp_path / "x.json")]) == 2
     assert "--split-backward pin a uniform grid" in capsys.readouterr().err
+
+
+def test_a_plan_searched_again_for_nccl_buffers_says_why_it_is_not_proven(tmp_path, capsys):
+    """gpt-small on 6+5+6 H100s cut to 3.28 GiB: the first answer does not fit once its NCCL buffers
+    are counted (tests/test_communicators.py), so the answer is FEASIBLE, and the last line gives
+    that reason; it used to blame a time limit that never stopped anything."""
+    profile = analytic_profile(
+        PRESETS["gpt-small"],
+        device_kind="H100-80GB",
+        micro_batch_sizes=[1, 2],
+        tp_degrees=[1, 2, 4],
+        seq_len=1024,
+    )
+    cluster = ClusterSpec.parse("6,5,6", "H100-80GB").to_json()
+    cluster["device"]["memory_bytes"] = int(3.28 * 2**30)
+    write_json(tmp_path / "p.json", profile.to_json())
+    write_json(tmp_path / "c.json", cluster)
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json")]
+    assert main([*args, "--global-batch-size", "32", "--out", str(tmp_path / "plan.json")]) == 0
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("elastor: ")][-1]
+    assert "elastor: FEASIBLE" in last and "time limit" not in last
+    assert "did not fit once its NCCL buffers were counted exactly" in last and "MiB less memory" in last

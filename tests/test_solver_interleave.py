@@ -110,6 +110,7 @@ def test_a_chunked_search_stopped_by_its_time_limit_never_returns_a_slower_plan(
     chunked = solver.solve(p7, cluster, 16, interleave=True)
     assert chunked.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-12)
     assert chunked.solver["status"] == "FEASIBLE"
+    assert chunked.solver["not_proven"] == [solver.NOT_PROVEN_TIME_LIMIT]
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{info['method']}: {info['status']} (gap {info['gap']:.2%}) in {info['wall_s']:.2f} s"
         + (f" ({info['cpu_s']:.2f} s of CPU)" if "cpu_s" in info else "")
-        + ("" if info["status"] == "OPTIMAL" else " (not proven optimal: the time limit stopped the search)")
+        + ("" if info["status"] == "OPTIMAL" else f" (not proven optimal: {not_proven(info)})")
         + ("" if info.get("complete", True) else f"; searched family {info.get('family')}")
         + f"; wrote {args.out}"
     )
@@ -169,6 +169,12 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         print(compare(profile, cluster, args.global_batch_size, plan, sizes, args.time_limit))
     return 0
+
+
+def not_proven(info: dict) -> str:
+    """Why a FEASIBLE answer is not proven optimal (a plan written before the solver said why: the
+    time limit, then the only reason)."""
+    return "; ".join(info.get("not_proven") or [solver.NOT_PROVEN_TIME_LIMIT])
 
 
 def compare(profile, cluster, gbs: int, plan: Plan, sizes, time_limit_s: float) -> str:
