@@ -256,6 +256,33 @@ def test_profile_command_writes_the_file_and_prints_a_table(tmp_path, capsys):
     assert profile.source == "cpu" and profile.tp_degrees() == [1, 3] and profile.micro_batch_sizes() == [2]
 
 
+@pytest.mark.parametrize(
+    ("model", "where", "seq_len", "context"),
+    [
+        ("llama2-7b", ["--analytic", "--device-kind", "H100-80GB"], 4096, 4096),  # its context
+        ("llama3-8b", ["--analytic", "--device-kind", "H100-80GB"], 8192, 8192),
+        ("gpt-tiny", ["--analytic", "--device-kind", "H100-80GB"], 256, 256),
+        ("llama3-8b-128k", ["--analytic", "--device-kind", "H100-80GB"], 8192, 131072),  # capped
+        ("gpt-small", ["--device", "cpu", "--repeats", "1", "--warmup", "0", "--quiet"], 128, 1024),
+    ],
+)
+def test_the_default_sequence_is_the_models_context_for_gpu_profiles_and_short_on_a_cpu(
+    model, where, seq_len, context, tmp_path, capsys
+):
+    """An analytic (or CUDA) profile plans real training: with --seq-len left out it took 128 tokens,
+    and llama3-8b on 8,8,7 planned at 20% MFU; a CPU measurement keeps a short sequence."""
+    if model == "llama3-8b-128k":  # a config whose context is extended far past its training length
+        config = PRESETS["llama3-8b"].to_hf_config() | {"max_position_embeddings": 131072}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        model = str(tmp_path / "config.json")
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", model, *where, "--micro-batch-size", "1", "--tp-degrees", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    profile = ModelProfile.from_json(json.loads(out.read_text()))
+    assert profile.seq_len == seq_len and profile.model.max_seq_len == context
+    assert f"seq_len {seq_len})" in capsys.readouterr().out
+
+
 def test_default_tp_degrees_divide_the_heads():
     from elastor.commands.profile import valid_tp_degrees
 

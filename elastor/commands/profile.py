@@ -21,6 +21,12 @@ from elastor.commands.argtypes import integer
 from profiler import defaults
 
 MAX_DEFAULT_TP = 8  # default TP degrees: every degree up to one node of 8 GPUs that divides the heads
+# Default tokens per sample: a CPU measures a short sequence (a model's layers in seconds, not hours);
+# a GPU profile, measured or analytic, is for planning real training, so it takes the model's context
+# length up to GPU_DEFAULT_SEQ_LEN (Llama 2's 4,096 and Llama 3's 8,192, the lengths they pretrained
+# at; configs that extend the context to 128k train most steps far shorter).
+CPU_DEFAULT_SEQ_LEN = 128
+GPU_DEFAULT_SEQ_LEN = 8192
 # Below about a megabyte, collectives on any link are latency-bound and a fit cannot see bandwidth.
 MIN_COMM_MAX_BYTES = 1 << 20
 # Repetitions of one measurement: the defaults take a handful; ten thousand is hours on a CPU.
@@ -71,8 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seq-len",
         type=integer(1, MAX_FIELD["max_seq_len"]),
-        default=128,
-        help="tokens per sample, at most the model's max_seq_len (default: %(default)s)",
+        help="tokens per sample, at most the model's max_seq_len (default: with --analytic and on "
+        f"CUDA the model's max_seq_len up to {GPU_DEFAULT_SEQ_LEN:,}; on a CPU {CPU_DEFAULT_SEQ_LEN}, "
+        "or max_seq_len if shorter)",
     )
     p.add_argument(
         "--dtype",
@@ -154,6 +161,12 @@ def tp_degrees(config: ModelConfig, text: str | None) -> list[int]:
             f"{', '.join(map(str, valid_tp_degrees(config, config.num_heads)))}."
         )
     return degrees
+
+
+def default_seq_len(args: argparse.Namespace, config: ModelConfig) -> int:
+    """--seq-len's default (see the constants above)."""
+    on_gpu = args.analytic or args.device == "cuda"
+    return min(config.max_seq_len, GPU_DEFAULT_SEQ_LEN if on_gpu else CPU_DEFAULT_SEQ_LEN)
 
 
 def check_flags(args: argparse.Namespace, config: ModelConfig) -> None:
@@ -254,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_model_config(args.model)
     micro_batch_sizes = parse_int_list(args.micro_batch_size, "--micro-batch-size")
     degrees = tp_degrees(config, args.tp_degrees)
+    if args.seq_len is None:
+        args.seq_len = default_seq_len(args, config)
     check_flags(args, config)
     if args.analytic:
         from profiler.analytic import analytic_profile
