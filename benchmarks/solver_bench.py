@@ -86,6 +86,7 @@ def solve_case(name: str, model: str, cluster: ClusterSpec, gbs: int, target_s: 
         "cpu_s": round(cpu, 3),
         "status": info.get("status", "INFEASIBLE"),
         "gap": info.get("gap"),
+        "not_proven": info.get("not_proven"),  # why a FEASIBLE answer is (solver docstring)
         "complete": info.get("complete"),
         "family": info.get("family"),
         "templates": info.get("templates"),
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(format_table(rows))
+    for c in cases:
+        for reason in c["not_proven"] or ():
+            print(f"{c['case']}: not proven optimal: {reason}")
     print()
     print(whatif.throughput_table(sweep))
     print()
