@@ -103,8 +103,8 @@ from solver.templates import fewest_gpus
 METHODS = ("elastor", "uniform", "node-drop", "pow2-greedy")
 DEFAULT_TIME_LIMIT_S = 30.0
 PROGRESS_AFTER_S = 2.0  # a longer solve reports each pass's result as it ends
-NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
 NOT_PROVEN_TIME_LIMIT = "the time limit stopped the search"  # a FEASIBLE answer's reason (solver block)
+NCCL_RESERVE_ROUNDS = 8  # searches with a growing NCCL reserve before giving up (`_within_nccl_buffers`)
 NCCL_BISECTIONS = 2  # then searches between the reserves that did not fit and did (each a whole solve)
 _DROPPED: IdentityMemo[Outcome] = IdentityMemo(limit=64)  # node-drop searches, by profile and cluster
 
