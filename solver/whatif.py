@@ -135,14 +135,24 @@ def sweep(
 
 
 def throughput_table(frame: pd.DataFrame) -> str:
-    """Samples/s per failure count (rows) and method (columns), beside the proportional line."""
-    wide = frame.pivot(index=["failures", "healthy_gpus"], columns="method", values="samples_per_s")
+    """Samples/s per failure count (rows) and method (columns), each with its MFU in parentheses
+    where the profile's device kind has a peak (`costmodel.flops`), beside the proportional line."""
+    index = ["failures", "healthy_gpus"]
+    wide = frame.pivot(index=index, columns="method", values="samples_per_s")
+    mfu = frame.pivot(index=index, columns="method", values="mfu") if "mfu" in frame else None
     methods = [m for m in solver.METHODS if m in wide.columns]
     share = proportional_line(frame)
+
+    def cell(key, method: str) -> str:
+        rate = wide.at[key, method]
+        if math.isnan(rate):
+            return "-"
+        used = None if mfu is None else mfu.at[key, method]
+        return f"{rate:.2f}" + ("" if used is None or math.isnan(used) else f" ({used:.1%})")
+
     rows = [("failures", "healthy", *methods, "proportional")]
-    for (f, healthy), values in wide.iterrows():
-        cells = ["-" if math.isnan(values[m]) else f"{values[m]:.2f}" for m in methods]
-        rows.append((str(f), str(healthy), *cells, f"{share(healthy):.2f}"))
+    for key in wide.index:
+        rows.append((str(key[0]), str(key[1]), *(cell(key, m) for m in methods), f"{share(key[1]):.2f}"))
     return format_table(rows)
 
 

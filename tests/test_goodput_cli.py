@@ -8,7 +8,7 @@ import pytest
 from helpers import REPO
 
 import solver
-from costmodel import PRESETS, ElastorError
+from costmodel import PRESETS, ElastorError, flops
 from costmodel.jsonio import write_json
 from elastor.cli import main
 from profiler.analytic import analytic_profile
@@ -47,7 +47,11 @@ def test_simulate_prints_the_table_and_writes_csv_and_plots(monkeypatch, tmp_pat
     printed = capsys.readouterr().out
     for policy in ("elastor", "node-drop", "wait-for-repair", "spare-nodes:1"):
         assert f"\n{policy} " in printed
-    assert "failure-free: 320.0 samples/s" in printed and "best interval s" in printed
+    # MFU beside the throughput, on the 32 GPUs the plan runs on (costmodel.flops' one definition)
+    config, peak = PRESETS["gpt-tiny"], 989e12  # H100's dense bf16 peak
+    mfu = 320.0 * 64 * flops.model_flops_per_token(config, 64) / (32 * peak)
+    assert f"failure-free: 320.0 samples/s (MFU {mfu:.1%}, 1 pipelines)" in printed
+    assert "best interval s" in printed
     detected = "detect 20.5 s (a lost host 11 s)"
     assert f"costs ({costs}): {detected}, plan 1 s, restart 60 s, load 10.0 s (reshard 12.0 s)" in printed
     for name in ("runs.csv", "summary.csv", "intervals.csv", "best_intervals.csv", "rates.csv"):
@@ -118,7 +122,7 @@ def test_slices_plan_each_slice_for_its_share_of_the_batch(monkeypatch, profile_
     args = ["simulate", "--profile", profile_path, "--cluster", "4x8", "--global-batch-size", "8", "--quiet"]
     assert main([*args, "--days", "1", "--runs", "1", "--slices", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "failure-free: 320.0 samples/s (2 pipelines, planned as 2 slices)" in printed
+    assert "samples/s (MFU " in printed and "%, 2 pipelines, planned as 2 slices)" in printed
     assert set(batches) == {4}
     assert main([*args, "--slices", "3"]) == 2
     assert "needs nodes with equal GPU counts and a global batch it divides" in capsys.readouterr().err
@@ -139,7 +143,7 @@ def test_slices_default_to_auto(monkeypatch, profile_path, capsys):
     args = ["simulate", "--profile", profile_path, "--global-batch-size", "8", "--quiet"]
     args += ["--failures", "none", "--ckpt-interval", "3600", "--days", "0.5", "--runs", "1"]
     assert main([*args, "--cluster", "512x8"]) == 0
-    assert "(2 pipelines, planned as 2 slices)" in capsys.readouterr().out
+    assert "%, 2 pipelines, planned as 2 slices)" in capsys.readouterr().out
     assert main([*args, "--cluster", "257x8"]) == 0
     assert "planning all 2,056 GPUs as one cluster" in capsys.readouterr().err
     assert main([*args, "--cluster", "4x8", "--slices", "two"]) == 2

@@ -925,3 +925,22 @@ def test_the_what_if_reference_line_is_the_healthy_share_of_the_best_plan():
     share = whatif.proportional_line(frame)
     assert share(32) == 64.0 and share(28) == pytest.approx(56.0) and share(16) == pytest.approx(32.0)
     assert "proportional" in whatif.throughput_table(frame).splitlines()[0]
+
+
+def test_the_what_if_table_gives_each_throughput_its_mfu_where_the_device_has_a_peak():
+    """MFU stands beside every throughput printed (issue: "everywhere a throughput is"); a CPU
+    profile has no peak (mfu None) and a method without a plan none at all."""
+    frame = pd.DataFrame(
+        {
+            "failures": [0, 0, 1, 1],
+            "healthy_gpus": [16, 16, 15, 15],
+            "method": ["elastor", "node-drop", "elastor", "node-drop"],
+            "samples_per_s": [31.12, 31.12, 30.17, math.nan],
+            "mfu": [0.371, 0.371, 0.384, math.nan],
+        }
+    )
+    lines = whatif.throughput_table(frame).splitlines()
+    assert lines[1].split()[2:4] == ["31.12", "(37.1%)"]
+    assert lines[2].split()[2:5] == ["30.17", "(38.4%)", "-"]
+    on_cpu = frame.assign(mfu=[None] * 4)
+    assert "%" not in whatif.throughput_table(on_cpu) and "30.17" in whatif.throughput_table(on_cpu)

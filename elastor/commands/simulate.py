@@ -10,7 +10,7 @@ import re
 import sys
 import time
 
-from costmodel import ClusterSpec, ElastorError, ModelProfile
+from costmodel import ClusterSpec, ElastorError, ModelProfile, flops
 from costmodel.cluster import check_size, of_kind
 from costmodel.jsonio import output_dir, output_path, read_json, shown
 from costmodel.table import format_table
@@ -257,6 +257,16 @@ def check_failures(failures, cluster: ClusterSpec, days: float, rates: list[floa
         )
 
 
+def reference_mfu(profile: ModelProfile, cluster: ClusterSpec, gbs: int, reference) -> str:
+    """ "MFU x%, " of the failure-free plan on the GPUs it runs on (costmodel.flops), or "" where
+    the device kind has no peak."""
+    if cluster.device.kind == "cpu":
+        return ""
+    per_step = flops.model_flops_per_token(profile.model, profile.seq_len) * profile.seq_len * gbs
+    used = int(reference.in_use.sum())
+    return f"MFU {flops.mfu(per_step, gbs / reference.samples_per_s, used, cluster.device.peak_flops):.1%}, "
+
+
 def run(args: argparse.Namespace) -> int:
     from goodput.experiment import auto_intervals, build_study, run_experiment, write_outputs
     from goodput.plots import loss_table
@@ -319,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
         f"{profile.model.name} on {study.num_gpus:,} {cluster.device.kind} GPUs ({nodes:,} nodes), "
         f"global batch {args.global_batch_size}, {args.days:g} days x {args.runs} runs\n"
         f"failure-free: {study.reference.samples_per_s:,.1f} samples/s "
-        f"({study.reference.num_pipelines} pipelines{sliced}); failures: {failures.source} "
+        f"({reference_mfu(profile, cluster, args.global_batch_size, study.reference)}"
+        f"{study.reference.num_pipelines} pipelines{sliced}); failures: {failures.source} "
         f"({failures.distribution}), MTBF {study.mtbf_s() / 3600:.2f} h\n"
         f"costs ({c.source}): detect {c.detect_s:g} s (a lost host {c.detect_node_s:g} s), "
         f"plan {c.plan_s:g} s, restart {c.restart_s:g} s, "
