@@ -8,7 +8,10 @@ after it, on every rank, without the `done` event.
 
 `after_step(trainer, result)` runs after every step on every rank (the checkpoint plugs in here) and
 returns the seconds it blocked training, reported as `ckpt_stall_s`. `step_time_s` is the step's
-whole wall time on rank 0, stall included, and `samples_per_s` is the global batch over it.
+whole wall time on rank 0, stall included, and `samples_per_s` is the global batch over it. On a
+GPU whose kind the hardware table knows, `mfu` is that throughput's model FLOPs utilisation
+(`costmodel.flops`: the plan's model FLOPs per step over the step time, the plan's GPUs and the
+kind's peak), shown on the progress bar too; a CPU has no peak to measure against.
 
 The first step this process runs is measured (runtime/memory.py): every rank's bytes by kind are
 gathered once, and rank 0 writes them beside the cost model's prediction as a `memory` event and
@@ -20,6 +23,8 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from costmodel import flops
+from costmodel.hardware import DEVICE_KINDS
 from runtime.memory import measure_step, memory_event
 from runtime.metrics import MetricsWriter
 from runtime.trainer import StepResult, Trainer
@@ -38,6 +43,7 @@ def train(
     """Run steps until `trainer.step == until_step` (a global step count: steps done before count);
     every `eval_every` steps (0: never), the loss on `eval_batches` held-out global batches."""
     batch = trainer.plan.global_batch_size
+    utilisation = _mfu_of(trainer)
     if metrics:
         metrics.event(
             "start",
@@ -73,6 +79,7 @@ def train(
                         "loss": result.loss,
                         "step_time_s": elapsed,
                         "samples_per_s": batch / elapsed,
+                        **({"mfu": utilisation(elapsed)} if utilisation else {}),
                         "ckpt_stall_s": stall,
                         "lr": result.lr,
                         "grad_norm": result.grad_norm,
@@ -86,7 +93,8 @@ def train(
                     f"({event['method']})"
                 )
             bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}")
+            shown = {"mfu": f"{utilisation(elapsed):.1%}"} if utilisation else {}
+            bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{batch / elapsed:.1f}", **shown)
             if eval_every and result.step % eval_every == 0:
                 started = time.perf_counter()
                 loss = trainer.evaluate(eval_batches)
@@ -105,3 +113,17 @@ def train(
     if metrics and trainer.step >= until_step:
         metrics.event("done", step=trainer.step)
     return results
+
+
+def _mfu_of(trainer: Trainer) -> Callable[[float], float] | None:
+    """A step time's MFU (module docstring), or None where the device has no known peak."""
+    if not trainer.ctx.is_cuda:
+        return None
+    from profiler.measure import cuda_device_kind
+
+    kind = DEVICE_KINDS.get(cuda_device_kind())
+    if kind is None:
+        return None
+    plan = trainer.plan
+    per_step = flops.model_flops_per_token(plan.model, plan.seq_len) * plan.seq_len * plan.global_batch_size
+    return lambda step_s: flops.mfu(per_step, step_s, plan.world_size, kind.peak_flops)

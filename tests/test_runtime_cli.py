@@ -62,7 +62,7 @@ def test_train_under_torchrun_writes_metrics_and_matches_the_reference(tmp_path)
     assert 0 < memory["worst_measured_over_predicted"] <= 1.0
     assert "memory: worst measured/predicted peak" in result.stdout + result.stderr
     for r in steps:
-        assert set(r) >= STEP_FIELDS
+        assert set(r) >= STEP_FIELDS and "mfu" not in r  # a CPU has no peak to measure MFU against
         assert r["step_time_s"] > 0 and r["samples_per_s"] > 0 and r["ckpt_stall_s"] == 0.0
 
     torch.set_num_threads(1)
@@ -121,3 +121,25 @@ def test_a_plan_for_more_devices_without_torchrun_is_refused(tmp_path):
     result = elastor("train", "--plan", write_plan(tmp_path, PLAN), "--steps", "1", "--metrics", "m.jsonl")
     assert result.returncode == 2
     assert "The plan needs 3 processes, one per device, but this job has 1;" in result.stderr
+
+
+def test_a_gpu_step_reports_its_mfu_where_the_hardware_table_knows_the_kind(monkeypatch):
+    """On CUDA every step's record and the progress bar carry the measured MFU: the plan's model
+    FLOPs per step (costmodel.flops) over the step time, the plan's GPUs and the kind's peak."""
+    from types import SimpleNamespace
+
+    import profiler.measure
+    from costmodel import flops
+    from costmodel.hardware import DEVICE_KINDS
+    from runtime import loop
+
+    plan = Plan.from_json(PLAN)
+    trainer = SimpleNamespace(ctx=SimpleNamespace(is_cuda=False), plan=plan)
+    assert loop._mfu_of(trainer) is None
+    trainer.ctx.is_cuda = True
+    monkeypatch.setattr(profiler.measure, "cuda_device_kind", lambda: "H100-80GB")
+    per_step = flops.model_flops_per_token(plan.model, 32) * 32 * plan.global_batch_size
+    peak = DEVICE_KINDS["H100-80GB"].peak_flops
+    assert loop._mfu_of(trainer)(0.5) == pytest.approx(per_step / 0.5 / (3 * peak))
+    monkeypatch.setattr(profiler.measure, "cuda_device_kind", lambda: "NVIDIA GB300")  # not in the table
+    assert loop._mfu_of(trainer) is None
