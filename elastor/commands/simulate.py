@@ -258,13 +258,13 @@ def check_failures(failures, cluster: ClusterSpec, days: float, rates: list[floa
 
 
 def reference_mfu(profile: ModelProfile, cluster: ClusterSpec, gbs: int, reference) -> str:
-    """ "MFU x%, " of the failure-free plan on the GPUs it runs on (costmodel.flops), or "" where
-    the device kind has no peak."""
+    """The failure-free plan's MFU on the GPUs it runs on (costmodel.flops), as the text that goes
+    before its pipeline count; none where the device kind has no peak."""
     if cluster.device.kind == "cpu":
         return ""
     per_step = flops.model_flops_per_token(profile.model, profile.seq_len) * profile.seq_len * gbs
-    used = int(reference.in_use.sum())
-    return f"MFU {flops.mfu(per_step, gbs / reference.samples_per_s, used, cluster.device.peak_flops):.1%}, "
+    step_s, used = gbs / reference.samples_per_s, int(reference.in_use.sum())
+    return f"MFU {flops.mfu(per_step, step_s, used, cluster.device.peak_flops):.1%}, "
 
 
 def run(args: argparse.Namespace) -> int:
