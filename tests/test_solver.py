@@ -928,8 +928,8 @@ def test_the_what_if_reference_line_is_the_healthy_share_of_the_best_plan():
 
 
 def test_the_what_if_table_gives_each_throughput_its_mfu_where_the_device_has_a_peak():
-    """MFU stands beside every throughput printed (issue: "everywhere a throughput is"); a CPU
-    profile has no peak (mfu None) and a method without a plan none at all."""
+    """MFU stands beside every throughput the tools print; a CPU profile has no peak (mfu None)
+    and a method without a plan has neither."""
     frame = pd.DataFrame(
         {
             "failures": [0, 0, 1, 1],
