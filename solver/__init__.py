@@ -239,7 +239,7 @@ def _nccl_reason(reserved: int) -> str:
     if reserved > 0:
         return (
             "the first answer did not fit once its NCCL buffers were counted exactly, so this one was "
-            f"searched with {mib} less memory per device (the gap is to that first answer)"
+            f"searched with {mib} less memory per device, and its gap is to that first answer"
         )
     return (
         "the planner's NCCL reserve left no plan, so this one was searched with that reserve "
