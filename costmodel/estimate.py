@@ -950,9 +950,7 @@ class CostModel:
             stages=tuple(stages),
             memory_capacity_bytes=self.cluster.device.memory_bytes,
             usable_memory_bytes=self.usable_memory_bytes,
-            model_flops_per_step=flops.model_flops_per_token(self.model, plan.seq_len)
-            * plan.seq_len
-            * plan.global_batch_size,
+            model_flops_per_step=flops.model_flops_per_step(self.model, plan.seq_len, plan.global_batch_size),
             gpus=plan.world_size,
             peak_flops=None if self.cluster.device.kind == "cpu" else self.cluster.device.peak_flops,
         )

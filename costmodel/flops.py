@@ -44,6 +44,11 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return 3.0 * forward_flops_per_token(config, seq_len)
 
 
+def model_flops_per_step(config: ModelConfig, seq_len: int, global_batch_size: int) -> float:
+    """Model FLOPs of a step of `global_batch_size` sequences of `seq_len` tokens."""
+    return model_flops_per_token(config, seq_len) * seq_len * global_batch_size
+
+
 def hardware_flops_per_token(config: ModelConfig, seq_len: int, recompute: str = "none") -> float:
     """Model FLOPs plus a rerun forward of every block (full) or of its attention core (selective)."""
     if recompute == "full":

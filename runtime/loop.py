@@ -125,5 +125,5 @@ def _mfu_of(trainer: Trainer) -> Callable[[float], float] | None:
     if kind is None:
         return None
     plan = trainer.plan
-    per_step = flops.model_flops_per_token(plan.model, plan.seq_len) * plan.seq_len * plan.global_batch_size
+    per_step = flops.model_flops_per_step(plan.model, plan.seq_len, plan.global_batch_size)
     return lambda step_s: flops.mfu(per_step, step_s, plan.world_size, kind.peak_flops)

@@ -262,7 +262,7 @@ def reference_mfu(profile: ModelProfile, cluster: ClusterSpec, gbs: int, referen
     before its pipeline count; none where the device kind has no peak."""
     if cluster.device.kind == "cpu":
         return ""
-    per_step = flops.model_flops_per_token(profile.model, profile.seq_len) * profile.seq_len * gbs
+    per_step = flops.model_flops_per_step(profile.model, profile.seq_len, gbs)
     step_s, used = gbs / reference.samples_per_s, int(reference.in_use.sum())
     return f"MFU {flops.mfu(per_step, step_s, used, cluster.device.peak_flops):.1%}, "
 
