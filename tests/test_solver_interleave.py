@@ -229,6 +229,31 @@ def test_the_solvers_split_peaks_are_the_walked_ones_and_hold_every_micro_batch_
         assert max(fast) == pytest.approx(max(walked), rel=1e-12), (S, v, stage)
 
 
+def test_the_first_overflowing_micro_batch_count_is_the_walks_whatever_the_room():
+    """`solver.interleave.first_overflow` looks at the peaks in spans of m, the unsplit ones below
+    2S in closed form, and stops at the first span that overflows; it must name the fewest m whose
+    walked peak (`costmodel.schedule.peak_live`) exceeds the room, or None where none below its
+    bound does, for rooms that bind anywhere from m = S to nowhere, split and unsplit. Integer
+    weights, as the solver's bytes are: the comparison with the room is then exact."""
+    rng = random.Random(7)
+    found = {"at S": 0, "above S": 0, "none": 0}
+    for _ in range(300):
+        S, v = rng.randint(2, 10), rng.randint(1, 6)
+        stage, split = rng.randrange(S), v == 1 or rng.random() < 0.5
+        weights = tuple(float(rng.randint(1, 1000)) for _ in range(v))
+        held = tuple(float(rng.randint(1, 1500)) for _ in range(v)) if split else None
+        walked = [
+            schedule.peak_live(stage, S, v, m, list(weights), held and list(held)) for m in range(S, 6 * S)
+        ]
+        room = rng.uniform(min(walked) * 0.95, max(walked) * 1.02)
+        below = rng.choice([6 * S, rng.randint(S + 1, 6 * S)])
+        over = [S + i for i, peak in enumerate(walked[: below - S]) if peak > room]
+        expected = over[0] if over else None
+        assert interleave.first_overflow(stage, S, v, weights, held, room, below) == expected, (S, v, stage)
+        found["none" if expected is None else "at S" if expected == S else "above S"] += 1
+    assert min(found.values()) >= 30, found  # every outcome was asked
+
+
 def test_a_variants_sync_is_priced_like_the_plan_it_becomes(p7):
     """The chunk windows the solver gives a variant (solver.interleave.chunk_windows) are the ones
     the estimate gives its plan: the same exposed gradient sync, below what one window per stage
