@@ -201,7 +201,7 @@ def first_overflow(
 
     The peaks are worked out in three spans of m, [S, S], (S, 2S) and [2S, 6S), each only while the
     ones before overflow nowhere: where memory binds it mostly binds below 2S, where the first group
-    is all of the micro-batches and the warm-up grows with m (llama2-70b on 61 GPUs with chunks: 97%
+    is all of the micro-batches and the warm-up grows with m (llama2-70b on 61 GPUs with chunks: 99%
     of the limits found), unsplit peaks there are a closed form, and the last span holds nine
     tenths of the moments to weigh."""
     S = num_stages
