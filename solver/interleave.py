@@ -199,7 +199,7 @@ def first_overflow(
     """The fewest micro-batches m in [S, `below`) (`below` at most 6S) at which the stage's live
     bytes (`stage_peaks`) exceed `room`, or None where none does.
 
-    The peaks are worked out in three spans of m, [S, S], (S, 2S) and [2S, 6S), each only while the
+    The peaks are worked out in three spans of m, [S], (S, 2S) and [2S, 6S), each only while the
     ones before overflow nowhere: where memory binds it mostly binds below 2S, where the first group
     is all of the micro-batches and the warm-up grows with m (llama2-70b on 61 GPUs with chunks: 99%
     of the limits found), unsplit peaks there are a closed form, and the last span holds nine
@@ -322,12 +322,12 @@ def stage_peaks(
     for m up to 12S."""
     S, v = num_stages, num_chunks
     low, high = counts or (S, 6 * S)
-    weight = np.asarray(weights, dtype=float)
     if held is None and low < 2 * S:  # one group: closed form (docstring)
         one_group = np.arange(low, min(high, 2 * S)) * sum(weights[:-1]) + (S - stage) * weights[-1]
         if high <= 2 * S:
             return one_group
         return np.concatenate([one_group, stage_peaks(stage, S, v, weights, None, (2 * S, high))])
+    weight = np.asarray(weights, dtype=float)
     table = _stacked_prefixes(S, v)[low - S : high - S, : (high - 1) * v + 1]  # [m - low, n, chunk]
     fwd = table @ weight  # weight of the first n forwards
     bwd = table @ weight[::-1]  # ... of the first n backwards (chunks reversed)
