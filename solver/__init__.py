@@ -572,11 +572,14 @@ def _elastor(
     profile, cluster, gbs, sizes, time_limit_s, limits, mode: Pass, upper_bound_s=math.inf, progress=None
 ) -> Outcome:
     """Elastor's search. A bounded search (large instances) might miss a baseline's plan, so the
-    uniform and pow2-greedy baselines run first: their pipelines join the templates, and the best of
+    uniform and pow2-greedy baselines seed it: their pipelines join the templates, and the best of
     their plans bounds the search, which then only looks for a faster one (and returns that plan,
     proven optimal in the family with its pipelines, when there is none). The grid of any depth
     (`baselines.deep_grids`, which keeps a smaller cluster's grid depth on a bigger cluster) runs
-    with them and bounds the search too, but its pipelines stay out of the templates.
+    with them and bounds the search too, but its pipelines stay out of the templates. Where the
+    search forks a child (solver.core.search's `more_seeds`), the child works the baselines out
+    first while this process builds its templates (the skeleton family does not depend on them),
+    which they join once built; else they run first.
 
     Node-drop too: a family of the search space is not closed under adding GPUs (on 255 full nodes
     and one of 7 GPUs it can miss the plan it finds on the 255 full nodes alone), and Elastor must
@@ -598,7 +601,8 @@ def _elastor(
     )
     if (limits or plan_limits(profile, capacities)).complete:
         return searched([], progress=progress)
-    found = _baseline_plans(profile, cluster, gbs, sizes, mode)
+    baselines = functools.partial(_baseline_plans, profile, cluster, gbs, sizes, mode)
+    found = []  # (step time, plan) of other searches' plans that seed this one
     whole = cluster.whole_nodes()
     partial = whole is not None and len(whole.nodes) < len(capacities)
     known = (
@@ -613,7 +617,8 @@ def _elastor(
     def dropped_below(bound: float) -> Outcome:
         return _elastor(profile, whole, gbs, sizes, time_limit_s, limits, mode, min(upper_bound_s, bound))
 
-    outcome = searched(found, progress=progress, idle=dropped_below if ahead else None)
+    outcome = searched(found, progress=progress, idle=dropped_below if ahead else None, pending=baselines)
+    found = [*outcome.seeded, *found]
     if not ahead:
         return outcome
     child, outcome = outcome.idle, dataclasses.replace(outcome, idle=None)
@@ -644,8 +649,10 @@ def _searched(
     upper_bound_s,
     progress,
     idle=None,
+    pending=None,
 ) -> Outcome:
-    """Elastor's search of pass `mode`, seeded with the (step time, plan) pairs `found`.
+    """Elastor's search of pass `mode`, seeded with the (step time, plan) pairs `found` and those
+    `pending()` gives (`_seeded_search`).
 
     With interleaving the search with chunks runs first. Each template is offered there beside its
     best variant unless the variant is no slower at any micro-batch count (`lower_envelope`), so a
@@ -667,10 +674,11 @@ def _searched(
     )
     plain = dataclasses.replace(mode, interleave=False)
     if not mode.interleave or not block_uniform(profile):
-        return search_with(plain, found, idle=idle)
-    chunked = search_with(mode, found, idle=idle)
+        return search_with(plain, found, idle=idle, pending=pending)
+    chunked = search_with(mode, found, idle=idle, pending=pending)
     if chunked.proven:
         return chunked
+    found = [*chunked.seeded, *found]
     if chunked.plan is not None:
         found = [*found, (chunked.objective_s, chunked.plan)]
     try:
@@ -685,6 +693,7 @@ def _searched(
         proven=False,  # the search with chunks was stopped by its time limit
         num_templates=outcome.num_templates + chunked.num_templates,
         idle=chunked.idle,
+        seeded=chunked.seeded,
     )
 
 
@@ -701,10 +710,13 @@ def _seeded_search(
     upper_bound_s,
     progress,
     idle=None,
+    pending=None,
 ) -> Outcome:
-    """Elastor's search of pass `mode` seeded with the (step time, plan) pairs `found`: their
-    pipelines join the templates and the best of them bounds the search (`_elastor`)."""
-    best = min(found, key=lambda f: f[0], default=None)
+    """Elastor's search of pass `mode` seeded with the (step time, plan) pairs `found` and those
+    `pending()` gives (the baselines: `solver.core.search` works them out in its forked child
+    where it forks one, while this process builds its templates): their pipelines join the
+    templates and the best of them bounds the search (`_elastor`)."""
+    known = min(found, key=lambda f: f[0], default=None)
     outcome = search(
         profile,
         cluster,
@@ -714,10 +726,12 @@ def _seeded_search(
         limits=limits,
         seeds=[plan for _, plan in found],
         mode=mode,
-        upper_bound_s=min(upper_bound_s, best[0] if best else math.inf),
+        upper_bound_s=min(upper_bound_s, known[0] if known else math.inf),
         progress=progress,
         idle=idle,
+        more_seeds=pending,
     )
+    best = min([*outcome.seeded, *found], key=lambda f: f[0], default=None)
     # No faster plan: the best baseline is the answer, proven optimal in the family with the seeds'
     # pipelines where every sub-problem closed (a search stopped by the time limit proves nothing).
     if best is not None and best[0] < upper_bound_s:

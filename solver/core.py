@@ -33,7 +33,7 @@ from costmodel.estimate import CostModel, HideTerms, SyncCost, steady_period_s
 from costmodel.plan import OptimizerLayout
 from costmodel.profile import ModelProfile
 from solver import parallel
-from solver.interleave import with_interleaving
+from solver.interleave import offers
 from solver.master import MasterResult, lower_bound, solve_master
 from solver.memo import IdentityMemo
 from solver.parallel import Forked
@@ -83,6 +83,7 @@ class Outcome:
     # the forked child still running the search's `idle` work (its caller takes `idle_answer()` or
     # stops it with `close()`); None where no child took it up
     idle: "_Ahead | None" = None
+    seeded: tuple[tuple[float, Plan], ...] = ()  # the (step time, plan) pairs of `search`'s more_seeds
 
 
 def tp_degrees(profile: ModelProfile, cluster: ClusterSpec) -> list[int]:
@@ -303,14 +304,28 @@ class _JobAnswer:
 
 
 class _Ahead:
-    """Answers of sub-problems solved ahead in a forked process (solver.parallel): `take` of one of
-    the child's jobs waits for all its answers; None for a job it did not answer (or if it died).
-    `idle_answer` waits for what the child did after them (`search`'s `idle`)."""
+    """What a forked child (solver.parallel) works out for a search, in the order it sends it:
+    `seeds()`, the seeds it computed first (`search`'s `more_seeds`); `take(job)`, the answer of
+    one of its sub-problems (None for a job it did not answer, or where it died: the caller then
+    solves it); `idle_answer()`, what it did after them (`search`'s `idle`)."""
 
-    def __init__(self, child: Forked, jobs: list):
+    def __init__(self, child: Forked, jobs: list, seeded: bool):
         self._child = child
         self._jobs = set(jobs)
+        self._seeds_due = seeded  # the child sends seeds first
+        self._seeds: list | None = None
         self._answers: dict | None = None  # not received yet
+
+    def seeds(self) -> list | None:
+        """The seeds the child computed (None where it failed or computes none)."""
+        if self._seeds_due:
+            self._seeds_due = False
+            self._seeds = self._child.result()
+        return self._seeds
+
+    def owns(self, job) -> bool:
+        """Whether `job` is one of the child's sub-problems."""
+        return job in self._jobs
 
     def take(self, job) -> "_JobAnswer | None":
         if job not in self._jobs:
@@ -320,7 +335,7 @@ class _Ahead:
 
     def idle_answer(self):
         self._receive()
-        return self._child.then_result()
+        return self._child.result()
 
     def close(self) -> None:
         """Stop the child if it still runs (a bound settled its jobs, its idle work is not needed,
@@ -329,38 +344,58 @@ class _Ahead:
 
     def _receive(self) -> None:
         if self._answers is None:
+            self.seeds()
             self._answers = self._child.result() or {}
 
 
 def _fork_jobs(
-    jobs, limits: Limits, upper_bound_s: float, quick_bound, solve_job, deadline: float, idle=None
+    jobs,
+    limits: Limits,
+    upper_bound_s: float,
+    quick_bound,
+    solve_job,
+    deadline: float,
+    idle=None,
+    more_seeds: Callable[[], list[tuple[float, Plan]]] | None = None,
 ):
     """Where two processes may run (solver.parallel) and the templates are skeletal (they do not
     depend on the incumbent), the sub-problems of the larger half of the micro-batch sizes, solved
     in a forked child below `upper_bound_s` while the caller solves the rest; else None. The
     caller merges them in order, so the answer is the one-process search's (a child's master,
-    bounded less tightly, finds the same optimum or proves the same bound). With `idle`, the child
-    then runs `idle(bound)`, the bound being the least of `upper_bound_s` and its own answers."""
+    bounded less tightly, finds the same optimum or proves the same bound). With `more_seeds`,
+    the child first computes those seeds and sends them (they bound its sub-problems too, and
+    it leaves out those they settle); with `idle`, it then runs `idle(bound)`, the bound being
+    the least of `upper_bound_s`, the seeds' and its own answers."""
     sizes = sorted({mbs for mbs, _ in jobs})
     later = [job for job in jobs if job[0] in sizes[(len(sizes) + 1) // 2 :]]
     later = [job for job in later if quick_bound(*job) < upper_bound_s]
     if not later or not limits.skeletal or parallel.processes() < 2:
         return None
 
-    def work() -> dict:
-        answers, incumbent = {}, upper_bound_s
+    incumbent = upper_bound_s  # the child's, as it learns of plans
+
+    def seeded() -> list[tuple[float, Plan]]:
+        nonlocal incumbent
+        found = more_seeds()
+        incumbent = min([incumbent, *(cost for cost, _ in found)])
+        return found
+
+    def work(_seeds=None) -> dict:
+        nonlocal incumbent
+        answers = {}
         for job in later:
-            answer = solve_job(*job, incumbent, deadline)
-            answers[job] = answer
+            if quick_bound(*job) >= incumbent:
+                continue  # so does the caller's own check, and it keeps that bound
+            answers[job] = answer = solve_job(*job, incumbent, deadline)
             if answer.result is not None:
                 incumbent = min(incumbent, answer.result.objective_s)
         return answers
 
-    def then(answers: dict):
-        found = [a.result.objective_s for a in answers.values() if a.result is not None]
-        return idle(min([upper_bound_s, *found]))
+    def then(_answers: dict):
+        return idle(incumbent)
 
-    return _Ahead(Forked(work, then if idle is not None else None), later)
+    steps = [seeded, work] if more_seeds is not None else [work]
+    return _Ahead(Forked(*steps, *([then] if idle is not None else [])), later, more_seeds is not None)
 
 
 def search(
@@ -376,6 +411,7 @@ def search(
     mode: Pass | None = None,
     progress: Callable[[str], None] | None = None,
     idle: Callable[[float], object] | None = None,
+    more_seeds: Callable[[], list[tuple[float, Plan]]] | None = None,
 ) -> Outcome:
     """Solve every (micro-batch size, link scope) sub-problem; keep the cheapest plan. `progress`
     receives a line after each sub-problem solved (its time, proof, and the best plan so far).
@@ -383,7 +419,10 @@ def search(
     which the Outcome hands on (`Outcome.idle`) where a child took it up.
 
     The pipelines of `seeds` (plans of other methods) join the templates of their micro-batch size,
-    so a bounded search never returns a plan slower than any of them.
+    so a bounded search never returns a plan slower than any of them. `more_seeds()` gives more,
+    (step time, plan) pairs whose best also bounds the search: where a child is forked it works
+    them out first while this process builds its templates, which wait for them only to join
+    them (`_fork_jobs`); the Outcome gives them back (`Outcome.seeded`).
     """
     started = time.perf_counter()
     mode = mode or Pass()
@@ -408,25 +447,81 @@ def search(
         nodes = nodes_of(inter)
         return min(work_bound(tables_for[mbs][r], L, N_of(mbs), sum(nodes)) for r in mode.modes)
 
-    def solve_job(mbs: int, inter: bool, incumbent: float, deadline_s: float) -> _JobAnswer:
-        """The templates and master of one sub-problem, looking for plans below `incumbent`."""
-        tables, nodes = tables_for[mbs], nodes_of(inter)
-        seeded = {r: [] for r in mode.modes}
-        for plan in seeds if inter else ():
+    # Templates of the skeleton family do not depend on the seeds: the seeds join them once built,
+    # so that a forked child can work the pending seeds out meanwhile (`_fork_jobs`).
+    deferred = limits.skeletal and block_uniform(profile)
+    interleaved = mode.interleave and block_uniform(profile)
+    extra = None if more_seeds is not None else []  # more_seeds' pairs, once known
+    ahead: _Ahead | None = None  # the forked child (`_fork_jobs`), set below
+
+    def computed() -> list[tuple[float, Plan]]:  # in the process that works them out
+        nonlocal extra
+        extra = more_seeds()
+        return extra
+
+    def resolved() -> list[tuple[float, Plan]]:
+        """more_seeds' pairs: the child's (`_Ahead.seeds`), or worked out here."""
+        nonlocal extra
+        if extra is None:
+            got = ahead.seeds() if ahead is not None else None
+            if got is None:
+                return computed()
+            extra = got
+        return extra
+
+    def least_seed() -> float:
+        return min((cost for cost, _ in extra or ()), default=math.inf)
+
+    def seed_templates(mbs: int, inter: bool) -> dict[str, list[Template]]:
+        """The seeds' pipelines of micro-batch size `mbs` as templates, by recompute mode."""
+        seeded, more = {r: [] for r in mode.modes}, resolved()
+        for plan in [*(plan for _, plan in more), *seeds] if inter else ():
             if (plan.solver or {}).get("bound_only"):
                 continue  # it bounds the search (solver._seeded_search), its pipelines stay out
             for p in plan.pipelines if plan.micro_batch_size == mbs else ():
                 r = max((st.recompute for st in p.stages), key=RECOMPUTE_PASSES.index)
                 if p.num_chunks == 1 and r in seeded:  # an interleaved pipeline is a variant of its own
-                    seeded[r].append(template_of(p, tables[r]))
-        templates = []
+                    seeded[r].append(template_of(p, tables_for[mbs][r]))
+        return seeded
+
+    def solve_job(mbs: int, inter: bool, incumbent: float, deadline_s: float) -> _JobAnswer:
+        """The templates and master of one sub-problem, looking for plans below `incumbent`."""
+        tables, nodes = tables_for[mbs], nodes_of(inter)
+
+        def offered(found: list[Template], r: str) -> list[list[Template]]:
+            """Each template with its interleaved variants (solver.interleave.offers)."""
+            if not interleaved:
+                return [[t] for t in found]
+            return offers(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))
+
+        seeded = None if deferred else seed_templates(mbs, inter)
+        own = {}
         for lighter, r in zip((None, *mode.modes[:-1]), mode.modes, strict=True):
             # (with interleaving this restricts the family a little: solver.skeletons docstring)
             easier = tables[lighter] if lighter is not None else None
-            found = candidates(tables[r], profile, nodes, not inter, limits, incumbent, seeded[r], easier)
-            if mode.interleave and block_uniform(profile):
-                found = with_interleaving(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))
-            templates += [t if t.recompute == r else dataclasses.replace(t, recompute=r) for t in found]
+            found = candidates(
+                tables[r], profile, nodes, not inter, limits, incumbent, seeded[r] if seeded else [], easier
+            )
+            own[r] = found, offered(found, r)
+        if deferred:
+            seeded = seed_templates(mbs, inter)
+            incumbent = min(incumbent, least_seed())
+            quick = quick_bound(mbs, inter)
+            if quick >= incumbent:  # the seeds settle it, as the search's own check would have
+                return _JobAnswer(0, quick, True, None, False)
+        templates = []
+        for r in mode.modes:
+            found, offer = own[r]
+            if deferred and seeded[r]:
+                # the templates `candidates` gives with the seeds: it prunes them with the family
+                of = {id(t): o for t, o in zip(found, offer, strict=True)}
+                kept = prune([*seeded[r], *found])
+                fresh = [t for t in kept if id(t) not in of]
+                of.update(zip(map(id, fresh), offered(fresh, r), strict=True))
+                offer = [of[id(t)] for t in kept]
+            templates += [
+                t if t.recompute == r else dataclasses.replace(t, recompute=r) for o in offer for t in o
+            ]
         if len(mode.modes) > 1:  # a pipeline that fits without recomputation beats its recomputing twin
             templates = prune(templates)
         if not templates:
@@ -449,11 +544,14 @@ def search(
     deadline = started + time_limit_s
     best: tuple[float, int, MasterResult] | None = None
     bounds, proven, num_templates = [], True, 0
-    ahead = _fork_jobs(jobs, limits, upper_bound_s, quick_bound, solve_job, deadline, idle)
+    pending = computed if more_seeds is not None else None
+    ahead = _fork_jobs(jobs, limits, upper_bound_s, quick_bound, solve_job, deadline, idle, pending)
     handed = None  # the child, where it runs `idle` on for the caller
     try:
         for mbs, inter in jobs:
-            incumbent = min(upper_bound_s, best[0] if best else math.inf)
+            if not deferred or ahead is None or ahead.owns((mbs, inter)):
+                resolved()  # they bound the job (a child sends them before its answers)
+            incumbent = min(upper_bound_s, least_seed(), best[0] if best else math.inf)
             quick = quick_bound(mbs, inter)
             if quick >= incumbent:
                 bounds.append(quick)
@@ -485,6 +583,7 @@ def search(
             objective, mbs, result = best
             plan = place(cm, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
             outcome = Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)
+        outcome = dataclasses.replace(outcome, seeded=tuple(resolved()))
         handed = ahead if idle is not None else None
     finally:
         if ahead is not None and handed is None:

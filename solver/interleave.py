@@ -385,15 +385,16 @@ def _stacked_prefixes(num_stages: int, num_chunks: int) -> np.ndarray:
     return out
 
 
-def with_interleaving(
+def offers(
     templates: list[Template],
     tables: dict[int, StageTable],
     num_microbatches: int,
     gpus: int,
     sync: Callable[[int, Template], SyncCost],
-) -> list[Template]:
-    """Every template, or its best interleaved variant in its place where that is never slower, or
-    both (module docstring)."""
+) -> list[list[Template]]:
+    """Per template, what the search offers of it: the template, or its best interleaved variant in
+    its place where that is never slower, or both (module docstring). Each list depends on its
+    template alone, so a search can work them out before it knows which templates it keeps."""
     out = []
     for template in templates:
         # the micro-batches and pipelines of this template when the whole cluster runs copies of it
@@ -402,11 +403,11 @@ def with_interleaving(
         plain = sync(copies, dataclasses.replace(template, hide_terms=()))
         best = fastest_variant(template, tables, m, functools.partial(_exposed_s, sync, copies), plain)
         if best is None:
-            out.append(template)
+            out.append([template])
         elif best.max_microbatches:  # it takes fewer micro-batches: the 1F1B template stays
-            out += [template, best]
+            out.append([template, best])
         else:
-            out += lower_envelope([template, best])
+            out.append(lower_envelope([template, best]))
     return out
 
 

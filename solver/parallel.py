@@ -3,9 +3,10 @@
 A search solves one master problem per micro-batch size and link scope (solver.core), each over
 templates built for it alone; the sub-problems of the larger micro-batch sizes take a fifth to a
 third of a solve (llama2-70b on 61 GPUs: 2.3 s of 6.8 s), on a core that sits idle. `Forked`
-runs such work in a child process started by fork and hands its answer back through a pipe; the
-child can go on with more work while the parent still solves its own sub-problems (node-drop's
-search: solver._elastor), and send that answer after the first.
+runs such work in a child process started by fork, as steps that each hand their answer back
+through a pipe as soon as it is known: Elastor's search has its child work out the baselines that
+seed it while the parent builds its templates, then its sub-problems, then, while the parent still
+solves its own, node-drop's search (solver._elastor).
 
 Why by hand rather than concurrent.futures: a pool would pickle the work's inputs (stage tables,
 splitters, cost models, memoised templates) into workers that import the solver again; a fork
@@ -28,9 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
-Value = TypeVar("Value")
 ENV = "ELASTOR_SOLVER_PROCESSES"
 
 
@@ -58,44 +57,39 @@ def cpu_s() -> float:
     return time.process_time() + times.children_user + times.children_system
 
 
-class Forked(Generic[Value]):
-    """`work()` running in a forked child; `result()` waits for its value (None if it failed, and
-    the caller then does the work itself). With `then`, the child goes on to run `then(value)`
-    once it has sent the value (work for a core that would sit idle), and `then_result()` waits
-    for that answer in turn (None if it failed); `cancel()` stops the child wherever it is."""
+class Forked:
+    """Steps running in turn in a forked child: `first()`, then each of `then` on the value before
+    it (work for a core that would sit idle once the parent has what it needs most). The child
+    sends each value as soon as it has it; `result()` waits for the next one, in order (None for a
+    step that failed and for every step after it: the caller then does that work itself), and
+    `cancel()` stops the child wherever it is."""
 
-    def __init__(self, work: Callable[[], Value], then: Callable[[Value], object] | None = None):
+    def __init__(self, first: Callable[[], object], *then: Callable[[object], object]):
         for stream in (sys.stdout, sys.stderr):  # the child flushes its copy of them when it exits
             if stream is not None:
                 stream.flush()
         context = multiprocessing.get_context("fork")
         self._answer, sender = context.Pipe(duplex=False)
-        self._child = context.Process(target=_serve, args=(work, then, sender), daemon=True)
+        self._child = context.Process(target=_serve, args=(first, then, sender), daemon=True)
         self._child.start()
         sender.close()  # the child holds the only sending end: its exit ends the pipe
-        self._more = then is not None  # a second answer may follow the first
+        self._left = 1 + len(then)  # values still to come
 
-    def result(self) -> Value | None:
-        ok, value = self._receive()
-        if not ok:
-            self._more = False  # no `then` runs after a failed work
-        if not self._more:
-            self._end()
-        return value if ok else None
-
-    def then_result(self) -> object | None:
-        """`then`'s answer (after `result()`), or None where it failed or there is none."""
-        if not self._more:
+    def result(self) -> object | None:
+        """The next step's value (None where it or an earlier step failed, or none is left)."""
+        if not self._left:
             return None
-        self._more = False
         ok, value = self._receive()
-        self._end()
+        self._left = self._left - 1 if ok else 0
+        if not self._left:
+            self._end()
         return value if ok else None
 
     def cancel(self) -> None:
         """Stop the child (its answers are not needed)."""
         if self._child.is_alive():
             self._child.kill()
+        self._left = 0
         self._end()
 
     def _receive(self) -> tuple[bool, object]:
@@ -109,12 +103,15 @@ class Forked(Generic[Value]):
         self._child.join()
 
 
-def _serve(work: Callable[[], object], then: Callable[[object], object] | None, sender) -> None:
+def _serve(first: Callable[[], object], then: tuple[Callable[[object], object], ...], sender) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the child
-    ok, value = _attempt(work)
+    ok, value = _attempt(first)
     sender.send((ok, value))
-    if ok and then is not None:
-        sender.send(_attempt(lambda: then(value)))
+    for step in then if ok else ():
+        ok, value = _attempt(lambda step=step, value=value: step(value))
+        sender.send((ok, value))
+        if not ok:
+            break
     sender.close()
 
 

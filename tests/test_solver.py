@@ -633,9 +633,9 @@ def test_a_search_in_two_processes_finds_the_plan_of_one(p7, counts, monkeypatch
     started = []
     real = parallel.Forked.__init__
 
-    def counted(self, work, then=None):
-        started.append(work)
-        real(self, work, then)
+    def counted(self, *steps):
+        started.append(steps)
+        real(self, *steps)
 
     monkeypatch.setattr(parallel.Forked, "__init__", counted)
     monkeypatch.setenv(parallel.ENV, "2")
@@ -650,8 +650,8 @@ def test_a_child_that_dies_leaves_its_sub_problems_to_the_parent(p7, monkeypatch
     real = parallel.Forked.__init__
     killed = []
 
-    def dying(self, work, then=None):
-        real(self, work, then)
+    def dying(self, *steps):
+        real(self, *steps)
         self._child.kill()  # no answer comes back: the parent must solve those jobs itself
         killed.append(self)
 
@@ -660,20 +660,22 @@ def test_a_child_that_dies_leaves_its_sub_problems_to_the_parent(p7, monkeypatch
     assert _plan_summary(solver.solve(p7, cluster, 128)) == _plan_summary(alone) and killed
 
 
-def test_a_forked_child_runs_its_then_work_once_it_has_answered():
-    """`Forked(work, then)`: the child sends work's answer, then runs then(answer) and sends that;
-    a failing `then` gives None, and `cancel` stops a child still at it."""
-    child = parallel.Forked(lambda: 3, then=lambda value: value * 2)
-    assert child.result() == 3 and child.then_result() == 6
-    failing = parallel.Forked(lambda: 3, then=lambda value: value / 0)
-    assert failing.result() == 3 and failing.then_result() is None
-    busy = parallel.Forked(lambda: 3, then=lambda value: time.sleep(60))
+def test_a_forked_child_runs_its_steps_in_turn_and_sends_each_value():
+    """`Forked(first, *then)`: the child sends first()'s value, then runs each next step on the value
+    before it and sends that; a failing step gives None for itself and every step after it, and
+    `cancel` stops a child still at work."""
+    child = parallel.Forked(lambda: 3, lambda value: value * 2, lambda value: value + 1)
+    assert (child.result(), child.result(), child.result()) == (3, 6, 7)
+    assert child.result() is None  # nothing is left
+    failing = parallel.Forked(lambda: 3, lambda value: value / 0, lambda value: value)
+    assert failing.result() == 3 and failing.result() is None and failing.result() is None
+    busy = parallel.Forked(lambda: 3, lambda value: time.sleep(60))
     assert busy.result() == 3
     started = time.perf_counter()
     busy.cancel()
     assert time.perf_counter() - started < 10 and not busy._child.is_alive()
     plain = parallel.Forked(lambda: 3)
-    assert plain.result() == 3 and plain.then_result() is None
+    assert plain.result() == 3 and plain.result() is None
 
 
 def test_node_drops_search_runs_in_the_forked_childs_idle_time(p7, monkeypatch):
@@ -703,6 +705,37 @@ def test_node_drops_search_runs_in_the_forked_childs_idle_time(p7, monkeypatch):
     (dropped,) = answers
     assert dropped is not None and dropped.limits == core.plan_limits(p7, [8, 8, 8])
     assert dropped.plan is None or dropped.objective_s >= forked.predicted["step_time_s"] * (1 - 1e-12)
+
+
+def test_the_forked_child_works_out_the_baselines_while_the_parent_builds_its_templates(p7, monkeypatch):
+    """Elastor's search seeded with the baselines: where it forks a child, the child computes them
+    and sends them first, so the parent never computes them itself, and the plan is the
+    one-process plan (whose process computes them, before the search's templates join them)."""
+    cluster = ClusterSpec.parse("8,8,8,7", p7.device_kind)
+    real_baselines, real_search = solver._baseline_plans, solver.search
+    here, seeds = [], []  # this process's calls (the child's stay in the child), the seeds searched
+
+    def computed(*args):
+        here.append(args[1].short_form())
+        return real_baselines(*args)
+
+    def searched(profile, cluster, *args, **kwargs):
+        outcome = real_search(profile, cluster, *args, **kwargs)
+        seeds.append((cluster.short_form(), sorted(round(cost, 9) for cost, _ in outcome.seeded)))
+        return outcome
+
+    monkeypatch.setattr(solver, "_baseline_plans", computed)
+    monkeypatch.setattr(solver, "search", searched)
+    monkeypatch.setenv(parallel.ENV, "1")
+    alone = solver.solve(dataclasses.replace(p7), cluster, 128)
+    assert here == ["8,8,8,7", "8,8,8"]  # Elastor's search, then node-drop's
+    (elastor, baselines), *_ = seeds
+    assert elastor == "8,8,8,7" and len(baselines) >= 3  # uniform, pow2-greedy, a deep grid: a mode each
+    here.clear(), seeds.clear()
+    monkeypatch.setenv(parallel.ENV, "2")
+    forked = solver.solve(dataclasses.replace(p7), cluster, 128)  # a profile no solve has seen
+    assert here == [] and _plan_summary(forked) == _plan_summary(alone)
+    assert seeds == [("8,8,8,7", baselines)]  # the child's node-drop search stays in the child
 
 
 def test_the_process_count_follows_the_environment_and_stays_at_one_beside_torch(monkeypatch):
