@@ -351,6 +351,31 @@ class _Ahead:
             self._answers = self._child.result() or {}
 
 
+class _Pending:
+    """The seeds `search`'s `more_seeds()` gives, (step time, plan) pairs, worked out on first need:
+    by the forked child, which sends them before anything else (`_Ahead.seeds`), or here."""
+
+    def __init__(self, more_seeds: Callable[[], list[tuple[float, Plan]]] | None):
+        self._more = more_seeds
+        self._pairs = None if more_seeds is not None else []
+        self.child: _Ahead | None = None  # the search's forked child, once it has one
+
+    def work_out(self) -> list[tuple[float, Plan]]:
+        """Work them out in this process (the child's first step, `_fork_jobs`)."""
+        self._pairs = self._more()
+        return self._pairs
+
+    def pairs(self) -> list[tuple[float, Plan]]:
+        if self._pairs is None:
+            sent = self.child.seeds() if self.child is not None else None
+            self._pairs = sent if sent is not None else self._more()
+        return self._pairs
+
+    def least(self) -> float:
+        """The least step time among them, inf before they are known."""
+        return min((cost for cost, _ in self._pairs or ()), default=math.inf)
+
+
 def _fork_jobs(
     jobs,
     limits: Limits,
@@ -454,30 +479,11 @@ def search(
     # so that a forked child can work the pending seeds out meanwhile (`_fork_jobs`).
     deferred = limits.skeletal and block_uniform(profile)
     interleaved = mode.interleave and block_uniform(profile)
-    extra = None if more_seeds is not None else []  # more_seeds' pairs, once known
-    ahead: _Ahead | None = None  # the forked child (`_fork_jobs`), set below
-
-    def computed() -> list[tuple[float, Plan]]:  # in the process that works them out
-        nonlocal extra
-        extra = more_seeds()
-        return extra
-
-    def resolved() -> list[tuple[float, Plan]]:
-        """more_seeds' pairs: the child's (`_Ahead.seeds`), or worked out here."""
-        nonlocal extra
-        if extra is None:
-            got = ahead.seeds() if ahead is not None else None
-            if got is None:
-                return computed()
-            extra = got
-        return extra
-
-    def least_seed() -> float:
-        return min((cost for cost, _ in extra or ()), default=math.inf)
+    pending = _Pending(more_seeds)
 
     def seed_templates(mbs: int, inter: bool) -> dict[str, list[Template]]:
         """The seeds' pipelines of micro-batch size `mbs` as templates, by recompute mode."""
-        seeded, more = {r: [] for r in mode.modes}, resolved()
+        seeded, more = {r: [] for r in mode.modes}, pending.pairs()
         for plan in [*(plan for _, plan in more), *seeds] if inter else ():
             if (plan.solver or {}).get("bound_only"):
                 continue  # it bounds the search (solver._seeded_search), its pipelines stay out
@@ -508,7 +514,7 @@ def search(
             own[r] = found, offered(found, r)
         if deferred:
             seeded = seed_templates(mbs, inter)
-            incumbent = min(incumbent, least_seed())
+            incumbent = min(incumbent, pending.least())
             quick = quick_bound(mbs, inter)
             if quick >= incumbent:  # the seeds settle it, as the search's own check would have
                 return _JobAnswer(0, quick, True, None, False)
@@ -547,14 +553,16 @@ def search(
     deadline = started + time_limit_s
     best: tuple[float, int, MasterResult] | None = None
     bounds, proven, num_templates = [], True, 0
-    pending = computed if more_seeds is not None else None
-    ahead = _fork_jobs(jobs, limits, upper_bound_s, quick_bound, solve_job, deadline, idle, pending)
+    work_out = pending.work_out if more_seeds is not None else None
+    ahead = pending.child = _fork_jobs(
+        jobs, limits, upper_bound_s, quick_bound, solve_job, deadline, idle, work_out
+    )
     handed = None  # the child, where it runs `idle` on for the caller
     try:
         for mbs, inter in jobs:
             if not deferred or ahead is None or ahead.owns((mbs, inter)):
-                resolved()  # they bound the job (a child sends them before its answers)
-            incumbent = min(upper_bound_s, least_seed(), best[0] if best else math.inf)
+                pending.pairs()  # they bound the job (a child sends them before its answers)
+            incumbent = min(upper_bound_s, pending.least(), best[0] if best else math.inf)
             quick = quick_bound(mbs, inter)
             if quick >= incumbent:
                 bounds.append(quick)
@@ -586,7 +594,7 @@ def search(
             objective, mbs, result = best
             plan = place(cm, cluster, global_batch_size, mbs, result.pipelines, result.nodes)
             outcome = Outcome(plan, objective, min([objective, *bounds]), proven, num_templates, limits)
-        outcome = dataclasses.replace(outcome, seeded=tuple(resolved()))
+        outcome = dataclasses.replace(outcome, seeded=tuple(pending.pairs()))
         handed = ahead if idle is not None else None
     finally:
         if ahead is not None and handed is None:
