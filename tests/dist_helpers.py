@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.elastic.launch import free_port
+from runtime.elastic.launch import NO_TORCHRUN_LOGS, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve()
@@ -50,6 +50,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
+        f"--log-dir={NO_TORCHRUN_LOGS}",
         *args,
     ]
 
@@ -85,13 +86,14 @@ def run_env() -> dict[str, str]:
     return env
 
 
-def launch(command: list[str], *, timeout: float) -> Launch:
-    """Run `command` in its own session; kill its process group if it outlives `timeout`."""
+def launch(command: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Launch:
+    """Run `command` in its own session (with `env` over `run_env()`); kill its process group if it
+    outlives `timeout`."""
     start = time.monotonic()
     proc = subprocess.Popen(
         command,
         cwd=REPO,
-        env=run_env(),
+        env={**run_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

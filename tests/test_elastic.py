@@ -72,8 +72,8 @@ def run_command(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str)
     )
 
 
-def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str):
-    return launch(run_command(tmp, profile, cluster, steps, *flags), timeout=RUN_TIMEOUT_S)
+def _run(tmp: Path, profile: Path, cluster: str, steps: int, *flags: str, env=None):
+    return launch(run_command(tmp, profile, cluster, steps, *flags), timeout=RUN_TIMEOUT_S, env=env)
 
 
 # The uninterrupted runs made so far in this session, by reference plan and steps: tests whose runs
@@ -128,13 +128,19 @@ def _assert_matches_reference(tmp: Path, records, steps: int) -> None:
 
 def test_failure_and_recovery_match_an_uninterrupted_run(tmp_path, profile_path):
     steps = 16
+    scratch = tmp_path / "tmp"  # the run's temp directory: it leaves nothing there
+    scratch.mkdir()
     # The restart path (the in-process one: tests/test_inprocess.py).
     done = _run(
         tmp_path, profile_path, "2,2", steps,
         "--recovery=restart", "--inject-failure=n1:1@6", "--inject-recovery=n1:1@10",
+        env={"TMPDIR": str(scratch)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert not done.stragglers
+    # three rounds of torchrun on two nodes, and the launcher's token: nothing is left but torch's
+    # compile cache (torchinductor_<user>, which every run shares)
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert _events(records) == [
         "replanned",

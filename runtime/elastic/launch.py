@@ -26,6 +26,11 @@ from runtime.elastic.lifeline import SUPERVISOR_GRACE_S, SUPERVISOR_STOP_S
 from runtime.elastic.store import write_token
 
 POLL_S = 0.1
+# torchrun's --log-dir. Without one its elastic agent makes a torchelastic_* directory in the temp
+# directory for each run and never removes it; torch takes os.devnull as "no log files". The
+# workers' output goes to torchrun's own streams (a round's log, `run_local_torchrun`'s pipe) and
+# no entry point records torchelastic error files, so nothing is lost.
+NO_TORCHRUN_LOGS = os.devnull
 
 
 def free_port() -> int:
@@ -48,6 +53,7 @@ def run_local_torchrun(
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
+        f"--log-dir={NO_TORCHRUN_LOGS}",
         *target,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))

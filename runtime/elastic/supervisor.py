@@ -72,6 +72,7 @@ from runtime.checkpoint.store import committed
 from runtime.distributed import ENV_FIRST_RANK, ENV_MASTER, ENV_VISIBLE_GPUS
 from runtime.elastic import faults, lifeline, progress
 from runtime.elastic.faults import Fault
+from runtime.elastic.launch import NO_TORCHRUN_LOGS
 from runtime.elastic.rendezvous import NotLeader, Rendezvous
 from runtime.metrics import MetricsWriter
 from runtime.stopping import DUPLICATE_S, request_stop
@@ -532,6 +533,7 @@ class NodeSupervisor:
             f"--local-addr={self.host}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
+            f"--log-dir={NO_TORCHRUN_LOGS}",
             *self._train_command(plan_path, decision)[1:],
         ]
 
