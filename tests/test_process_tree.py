@@ -72,10 +72,12 @@ class _run:
         metrics = self.tmp / "metrics.jsonl"
         # --steps and --ckpt-every are never reached: the test ends the run.
         command = elastor_run(self.tmp, "--ckpt-every=100000", cluster="1,1", steps=100_000)
+        # a launcher killed outright cannot remove its token's directory: it stays in the test's
+        scratch = self.tmp / "tmp"
+        scratch.mkdir()
+        env = {**run_env(), MARK: self.mark, "TMPDIR": str(scratch)}
         with open(self.tmp / "launcher.log", "w") as out:
-            self.launcher = subprocess.Popen(
-                command, cwd=REPO, env={**run_env(), MARK: self.mark}, stdout=out, stderr=subprocess.STDOUT
-            )
+            self.launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _trained_a_step(metrics):
             assert self.launcher.poll() is None, (self.tmp / "launcher.log").read_text()[-3000:]
