@@ -402,14 +402,9 @@ def _fork_jobs(
 
     incumbent = upper_bound_s  # the child's, as it learns of plans
 
-    def seeded() -> list[tuple[float, Plan]]:
+    def work(seeds: list[tuple[float, Plan]] = ()) -> dict:
         nonlocal incumbent
-        found = more_seeds()
-        incumbent = min([incumbent, *(cost for cost, _ in found)])
-        return found
-
-    def work(_seeds=None) -> dict:
-        nonlocal incumbent
+        incumbent = min([incumbent, *(cost for cost, _ in seeds)])
         answers = {}
         for job in later:
             if quick_bound(*job) >= incumbent:
@@ -422,7 +417,7 @@ def _fork_jobs(
     def then(_answers: dict):
         return idle(incumbent)
 
-    steps = [seeded, work] if more_seeds is not None else [work]
+    steps = [more_seeds, work] if more_seeds is not None else [work]
     return _Ahead(Forked(*steps, *([then] if idle is not None else [])), later, more_seeds is not None)
 
 
@@ -477,8 +472,9 @@ def search(
 
     # Templates of the skeleton family do not depend on the seeds: the seeds join them once built,
     # so that a forked child can work the pending seeds out meanwhile (`_fork_jobs`).
-    deferred = limits.skeletal and block_uniform(profile)
-    interleaved = mode.interleave and block_uniform(profile)
+    uniform = block_uniform(profile)
+    deferred = limits.skeletal and uniform
+    interleaved = mode.interleave and uniform
     pending = _Pending(more_seeds)
 
     def seed_templates(mbs: int, inter: bool) -> dict[str, list[Template]]:
@@ -503,13 +499,13 @@ def search(
                 return [[t] for t in found]
             return offers(found, tables[r], N_of(mbs), sum(nodes), sync(cm, inter))
 
-        seeded = None if deferred else seed_templates(mbs, inter)
+        seeded = {} if deferred else seed_templates(mbs, inter)
         own = {}
         for lighter, r in zip((None, *mode.modes[:-1]), mode.modes, strict=True):
             # (with interleaving this restricts the family a little: solver.skeletons docstring)
             easier = tables[lighter] if lighter is not None else None
             found = candidates(
-                tables[r], profile, nodes, not inter, limits, incumbent, seeded[r] if seeded else [], easier
+                tables[r], profile, nodes, not inter, limits, incumbent, seeded.get(r, []), easier
             )
             own[r] = found, offered(found, r)
         if deferred:

@@ -72,7 +72,7 @@ class _run:
         metrics = self.tmp / "metrics.jsonl"
         # --steps and --ckpt-every are never reached: the test ends the run.
         command = elastor_run(self.tmp, "--ckpt-every=100000", cluster="1,1", steps=100_000)
-        # a launcher killed outright cannot remove its token's directory: it stays in the test's
+        # a launcher killed outright cannot remove its token's directory: it stays in the test's own
         scratch = self.tmp / "tmp"
         scratch.mkdir()
         env = {**run_env(), MARK: self.mark, "TMPDIR": str(scratch)}
